@@ -1,0 +1,27 @@
+"""laplace-jax: Gated Linear Attention language models in JAX (Laplace 3B and the fla GLA family)."""
+
+from laplace_jax.config import ConfigError, ModelConfig
+from laplace_jax.models.gla_lm import (
+    abstract_params,
+    count_params,
+    decode_step,
+    forward,
+    init_params,
+    init_state,
+    param_logical_axes,
+    prefill,
+)
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "abstract_params",
+    "count_params",
+    "decode_step",
+    "forward",
+    "init_params",
+    "init_state",
+    "param_logical_axes",
+    "prefill",
+]
+__version__ = "0.1.0"

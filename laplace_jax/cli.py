@@ -1,0 +1,41 @@
+"""Shared absl entry-point plumbing: config-flag parsing and user errors without tracebacks."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from absl import app, flags
+
+
+class UserError(Exception):
+    """A mistake the user can fix (bad path, wrong data, too-small mesh); printed without a traceback."""
+
+
+def _parse(argv: list[str]) -> list[str]:
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        sys.exit(f"error: {e}\nRun with --help for the flags.")
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        # ml_collections raises these for a --config.x.y override naming an unknown or mistyped field.
+        msg = str(e.args[0] if e.args else e).replace("\\n", " ").replace("\\'", "").replace("'", "")
+        sys.exit(f"error: bad config override: {msg}")
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+    """``absl.app.run`` with readable errors for config typos and ``UserError``/``ConfigError``."""
+    from laplace_jax.config import ConfigError
+
+    def guarded(argv: list[str]) -> None:
+        if "config" in flags.FLAGS:
+            try:
+                "model" in flags.FLAGS.config  # noqa: B015 -- config files load lazily; surface a bad path here
+            except OSError as e:
+                sys.exit(f"error: {e.__cause__ or e}")
+        try:
+            main(argv)
+        except (UserError, ConfigError) as e:
+            sys.exit(f"error: {e}")
+
+    app.run(guarded, flags_parser=_parse)

@@ -1,0 +1,276 @@
+"""Import and export flash-linear-attention GLA checkpoints (``save_pretrained`` directories).
+
+    python -m laplace_jax.convert from-fla FLA_DIR OUT_DIR    # fla -> laplace model directory
+    python -m laplace_jax.convert to-fla MODEL_DIR OUT_DIR    # laplace model directory -> fla
+
+An fla directory holds ``config.json`` (model_type "gla") and ``model.safetensors`` (or shards
+with ``model.safetensors.index.json``). torch Linear weights are [out, in]; ours are [in, out];
+conv weights are [D, 1, W] in torch and [W, D] here; layer weights are stacked on axis 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from laplace_jax import safetensors_io
+from laplace_jax.config import ConfigError, ModelConfig
+
+# fla GLAConfig key -> ModelConfig field.
+_CONFIG_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "d_model",
+    "num_hidden_layers": "n_layers",
+    "num_heads": "n_heads",
+    "num_kv_heads": "n_kv_heads",
+    "expand_k": "expand_k",
+    "expand_v": "expand_v",
+    "intermediate_size": "mlp_dim",
+    "hidden_ratio": "hidden_ratio",
+    "use_short_conv": "use_short_conv",
+    "conv_size": "conv_size",
+    "norm_eps": "norm_eps",
+    "clamp_min": "clamp_min",
+    "tie_word_embeddings": "tie_embeddings",
+    "initializer_range": "init_std",
+    "max_position_embeddings": "max_seq_len",
+    "gate_logit_normalizer": "gate_logit_normalizer",
+    "gate_low_rank_dim": "gate_low_rank_dim",
+}
+# Options whose other values change the architecture in ways this package does not implement.
+_REQUIRED = {
+    "feature_map": None,
+    "use_gk": True,
+    "use_gv": False,
+    "use_output_gate": True,
+    "hidden_act": "swish",
+    "attn": None,
+    "elementwise_affine": True,
+    "conv_bias": False,
+}
+_LINEARS = {
+    "attn.q_proj": "attn/q_proj",
+    "attn.k_proj": "attn/k_proj",
+    "attn.v_proj": "attn/v_proj",
+    "attn.g_proj": "attn/g_proj",
+    "attn.o_proj": "attn/o_proj",
+    "attn.gk_proj.0": "attn/gk_proj_0",
+    "attn.gk_proj.1": "attn/gk_proj_1",
+    "mlp.gate_proj": "mlp/gate_proj",
+    "mlp.up_proj": "mlp/up_proj",
+    "mlp.down_proj": "mlp/down_proj",
+}
+_GAINS = {"attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "attn.g_norm_swish_gate": "attn/g_norm_swish_gate"}
+_CONVS = ("q", "k", "v")
+
+
+class CheckpointFormatError(ValueError):
+    """The directory is not an fla GLA checkpoint this package can load; the message says why."""
+
+
+def config_from_fla(fla: dict[str, Any], **overrides: Any) -> ModelConfig:
+    """ModelConfig from an fla config.json dict; unsupported options raise CheckpointFormatError."""
+    if fla.get("model_type") != "gla":
+        raise CheckpointFormatError(
+            f"config.json has model_type {fla.get('model_type')!r}; only 'gla' models are supported"
+        )
+    for key, want in _REQUIRED.items():
+        if key in fla and fla[key] != want:
+            raise CheckpointFormatError(
+                f"config.json sets {key}={fla[key]!r}; laplace_jax implements only {key}={want!r} (fla's GLA default)"
+            )
+    fields = {ours: fla[theirs] for theirs, ours in _CONFIG_KEYS.items() if theirs in fla}
+    try:
+        return ModelConfig(**{**fields, **overrides})
+    except (ConfigError, TypeError) as e:
+        raise CheckpointFormatError(f"config.json describes a model laplace_jax cannot build: {e}") from e
+
+
+def config_to_fla(cfg: ModelConfig) -> dict[str, Any]:
+    out = {"model_type": "gla", "architectures": ["GLAForCausalLM"], "attn_mode": "chunk"}
+    out.update({theirs: getattr(cfg, ours) for theirs, ours in _CONFIG_KEYS.items()})
+    out.update(_REQUIRED)
+    return out
+
+
+def _read_state_dict(path: str) -> dict[str, np.ndarray]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(single):
+        files = ["model.safetensors"]
+    elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        raise CheckpointFormatError(
+            f"{path} holds pytorch_model.bin; re-save it with save_pretrained(safe_serialization=True)"
+        )
+    else:
+        raise CheckpointFormatError(f"{path} has no model.safetensors or model.safetensors.index.json")
+    sd: dict[str, np.ndarray] = {}
+    for name in files:
+        try:
+            sd.update(safetensors_io.load(os.path.join(path, name)))
+        except (OSError, safetensors_io.SafetensorsError) as e:
+            raise CheckpointFormatError(str(e)) from e
+    return sd
+
+
+def params_from_state_dict(cfg: ModelConfig, sd: dict[str, np.ndarray]) -> dict:
+    """fla state_dict (numpy, any float dtype) -> laplace params (float32 numpy, [in, out], stacked)."""
+    sd = dict(sd)
+    used: set[str] = set()
+
+    def take(key: str) -> np.ndarray:
+        if key not in sd:
+            raise CheckpointFormatError(f"checkpoint is missing tensor {key!r} required by its config.json")
+        used.add(key)
+        return np.asarray(sd[key], np.float32)
+
+    def stack(fmt: str, fn=lambda a: a) -> np.ndarray:
+        return np.stack([fn(take(fmt.format(i))) for i in range(cfg.n_layers)])
+
+    layers: dict[str, Any] = {}
+
+    def put(path: str, leaf: str, value: np.ndarray) -> None:
+        node = layers
+        for part in path.split("/"):
+            node = node.setdefault(part, {})
+        node[leaf] = value
+
+    for theirs, ours in _LINEARS.items():
+        put(ours, "kernel", stack("model.layers.{}." + theirs + ".weight", lambda a: a.T))
+    put("attn/gk_proj_1", "bias", stack("model.layers.{}.attn.gk_proj.1.bias"))
+    for theirs, ours in _GAINS.items():
+        put(ours, "weight", stack("model.layers.{}." + theirs + ".weight"))
+    if cfg.use_short_conv:
+        for c in _CONVS:
+            put(
+                f"attn/{c}_conv1d",
+                "kernel",
+                stack("model.layers.{}.attn." + c + "_conv1d.weight", lambda a: a[:, 0, :].T),
+            )
+    params = {
+        "embeddings": {"embedding": take("model.embeddings.weight")},
+        "layers": layers,
+        "norm": {"weight": take("model.norm.weight")},
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = {"kernel": take("lm_head.weight").T}
+    leftover = sorted(set(sd) - used)
+    if leftover:
+        raise CheckpointFormatError(
+            f"checkpoint has {len(leftover)} tensors its config does not explain (first: {leftover[:3]}); "
+            "the config.json and weights disagree or the model uses an unsupported option"
+        )
+    _check_shapes(cfg, params)
+    return params
+
+
+def _check_shapes(cfg: ModelConfig, params: dict) -> None:
+    import jax
+
+    from laplace_jax.models.gla_lm import abstract_params
+
+    want = abstract_params(cfg)
+    got_paths = {jax.tree_util.keystr(p): v.shape for p, v in jax.tree_util.tree_leaves_with_path(params)}
+    for path, ref in jax.tree_util.tree_leaves_with_path(want):
+        key = jax.tree_util.keystr(path)
+        if got_paths.get(key) != ref.shape:
+            raise CheckpointFormatError(
+                f"parameter {key}: checkpoint shape {got_paths.get(key)} != config shape {ref.shape}"
+            )
+
+
+def params_to_state_dict(cfg: ModelConfig, params: dict, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    """laplace params -> fla state_dict (numpy in ``dtype``, torch layouts)."""
+    p = {k: v for k, v in params.items()}
+    lay = p["layers"]
+
+    def get(path: str, leaf: str) -> np.ndarray:
+        node = lay
+        for part in path.split("/"):
+            node = node[part]
+        return np.asarray(node[leaf], np.float32)
+
+    sd = {"model.embeddings.weight": np.asarray(p["embeddings"]["embedding"], np.float32)}
+    for i in range(cfg.n_layers):
+        pre = f"model.layers.{i}."
+        for theirs, ours in _LINEARS.items():
+            sd[pre + theirs + ".weight"] = get(ours, "kernel")[i].T
+        sd[pre + "attn.gk_proj.1.bias"] = get("attn/gk_proj_1", "bias")[i]
+        for theirs, ours in _GAINS.items():
+            sd[pre + theirs + ".weight"] = get(ours, "weight")[i]
+        if cfg.use_short_conv:
+            for c in _CONVS:
+                sd[pre + f"attn.{c}_conv1d.weight"] = get(f"attn/{c}_conv1d", "kernel")[i].T[:, None, :]
+    sd["model.norm.weight"] = np.asarray(p["norm"]["weight"], np.float32)
+    if not cfg.tie_embeddings:
+        sd["lm_head.weight"] = np.asarray(p["lm_head"]["kernel"], np.float32).T
+    return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in sd.items()}
+
+
+def load_fla(path: str, **overrides: Any) -> tuple[ModelConfig, dict]:
+    """Read an fla GLA ``save_pretrained`` directory: (ModelConfig, float32 numpy params).
+
+    ``overrides`` set ModelConfig fields fla does not store (e.g. dtype, chunk_size).
+    """
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise CheckpointFormatError(f"{path} is not an fla checkpoint directory: no config.json")
+    try:
+        with open(cfg_file) as f:
+            fla = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(f"{cfg_file} is not valid JSON: {e}") from e
+    cfg = config_from_fla(fla, **overrides)
+    return cfg, params_from_state_dict(cfg, _read_state_dict(path))
+
+
+def save_fla(path: str, cfg: ModelConfig, params: dict, dtype: Any = np.float32) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in fla's ``save_pretrained`` layout."""
+    os.makedirs(path, exist_ok=True)
+    safetensors_io.save(os.path.join(path, "model.safetensors"), params_to_state_dict(cfg, params, dtype))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_to_fla(cfg), f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from laplace_jax import checkpoint
+
+    ap = argparse.ArgumentParser(prog="python -m laplace_jax.convert", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("from-fla", help="fla save_pretrained directory -> laplace model directory")
+    a.add_argument("src")
+    a.add_argument("out")
+    a.add_argument("--dtype", default="float32", help="compute dtype recorded in the model config")
+    b = sub.add_parser("to-fla", help="laplace model directory -> fla save_pretrained directory")
+    b.add_argument("src")
+    b.add_argument("out")
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="stored weight dtype")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "from-fla":
+            cfg, params = load_fla(args.src, dtype=args.dtype)
+            checkpoint.save_model(args.out, cfg, params)
+        else:
+            cfg, params = checkpoint.load_model(args.src)
+            save_fla(
+                args.out, cfg, params, np.dtype(safetensors_io._DTYPES["BF16" if args.dtype == "bfloat16" else "F32"])
+            )
+    except (CheckpointFormatError, ConfigError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from laplace_jax.models.gla_lm import count_params
+
+    print(f"wrote {args.out} ({count_params(params):,} parameters, {cfg.n_layers} layers, d_model {cfg.d_model})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Building blocks shared by the GLA layers: Linear, RMSNorm, gated RMSNorm, short conv, SwiGLU MLP.
+
+Parameters are float32 and carry logical axis names (no mesh names); compute happens in the
+module's ``dtype`` and norms in float32, as in flash-linear-attention.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def normal_init(std: float, axes: tuple[str, ...]) -> nn.initializers.Initializer:
+    return nn.with_logical_partitioning(nn.initializers.normal(stddev=std), axes)
+
+
+class Linear(nn.Module):
+    """y = x @ kernel (+ bias). kernel: [in, out] fp32; ``fp32_out`` keeps the product in float32."""
+
+    features: int
+    axes: tuple[str, str]
+    dtype: jnp.dtype = jnp.float32
+    use_bias: bool = False
+    init_std: float = 0.02
+    fp32_out: bool = False
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        kernel = self.param("kernel", normal_init(self.init_std, self.axes), (x.shape[-1], self.features), jnp.float32)
+        out_dtype = jnp.float32 if self.fp32_out else self.dtype
+        y = jnp.einsum(
+            "...i,io->...o", x.astype(self.dtype), kernel.astype(self.dtype), preferred_element_type=out_dtype
+        )
+        if self.use_bias:
+            bias = self.param(
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]),
+                (self.features,),
+                jnp.float32,
+            )
+            y = y + bias.astype(out_dtype)
+        return y
+
+
+def rms_normalize(x: Array, eps: float) -> Array:
+    """x * rsqrt(mean(x^2) + eps) over the last axis, in float32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis with a float32 gain (init 1); output in ``dtype``."""
+
+    eps: float = 1e-6
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        w = self.param(
+            "weight", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],), jnp.float32
+        )
+        return (rms_normalize(x, self.eps) * w).astype(self.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """fla's FusedRMSNormGated with swish: rmsnorm(o) * weight * g * sigmoid(g), all in float32.
+
+    o, g: [..., dv]; one weight vector of size dv shared by every head.
+    """
+
+    eps: float = 1e-6
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, o: Array, g: Array) -> Array:
+        w = self.param(
+            "weight", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (o.shape[-1],), jnp.float32
+        )
+        g = g.astype(jnp.float32)
+        return (rms_normalize(o, self.eps) * w * g * jax.nn.sigmoid(g)).astype(self.dtype)
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal convolution of width W followed by SiLU (fla ``ShortConvolution``).
+
+    kernel: [W, D]; kernel[W - 1] multiplies the current token. ``cache``: [B, W, D], the last W
+    raw inputs, newest last (zeros for a fresh sequence). Returns (y [B, T, D], new cache).
+    """
+
+    width: int
+    dtype: jnp.dtype = jnp.float32
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x_BxTxD: Array, cache_BxWxD: Array | None) -> tuple[Array, Array]:
+        B, T, D = x_BxTxD.shape
+        W = self.width
+        kernel = self.param("kernel", normal_init(self.init_std, ("conv", "heads")), (W, D), jnp.float32)
+        if cache_BxWxD is None:
+            cache_BxWxD = jnp.zeros((B, W, D), self.dtype)
+        full = jnp.concatenate([cache_BxWxD.astype(self.dtype), x_BxTxD.astype(self.dtype)], axis=1)  # [B, W+T, D]
+        k = kernel.astype(self.dtype)
+        y = sum(full[:, 1 + w : 1 + w + T] * k[w] for w in range(W))
+        return jax.nn.silu(y), full[:, -W:]
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); fla ``GatedMLP`` with swish."""
+
+    hidden: int
+    dtype: jnp.dtype = jnp.float32
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        d = x.shape[-1]
+        lin = dict(dtype=self.dtype, init_std=self.init_std)
+        gate = Linear(self.hidden, ("embed", "mlp"), name="gate_proj", **lin)(x)
+        up = Linear(self.hidden, ("embed", "mlp"), name="up_proj", **lin)(x)
+        return Linear(d, ("mlp", "embed"), name="down_proj", **lin)(jax.nn.silu(gate) * up)

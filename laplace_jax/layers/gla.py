@@ -1,0 +1,69 @@
+"""The Gated Linear Attention layer (fla ``GatedLinearAttention`` semantics and parameter names)."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from laplace_jax.config import ModelConfig
+from laplace_jax.layers.common import GatedRMSNorm, Linear, ShortConv
+from laplace_jax.ops.gla import chunk_gla, gla_step, recurrent_gla
+
+Array = jax.Array
+LayerState = dict[str, Array]
+
+
+class GatedLinearAttention(nn.Module):
+    """x [B, T, d] -> (y [B, T, d], state).
+
+    ``state`` is None for training (zero initial state, nothing returned) or a dict with
+    ``gla`` [B, H, dk, dv] fp32 and, with short conv, ``conv_q`` / ``conv_k`` / ``conv_v``
+    [B, W, channels]; the updated dict is returned. T == 1 with a state takes the recurrent step.
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxD: Array, state: LayerState | None) -> tuple[Array, LayerState | None]:
+        cfg = self.cfg
+        dt = cfg.compute_dtype
+        B, T, _ = x_BxTxD.shape
+        H, G, dk, dv = cfg.n_heads, cfg.kv_groups, cfg.head_k_dim, cfg.head_v_dim
+        lin = functools.partial(Linear, dtype=dt, init_std=cfg.init_std)
+        q = lin(cfg.key_dim, ("embed", "heads"), name="q_proj")(x_BxTxD)
+        k = lin(cfg.key_dim // G, ("embed", "heads"), name="k_proj")(x_BxTxD)
+        v = lin(cfg.value_dim // G, ("embed", "heads"), name="v_proj")(x_BxTxD)
+        new_state: LayerState = {}
+        if cfg.use_short_conv:
+            conv = functools.partial(ShortConv, cfg.conv_size, dtype=dt, init_std=cfg.init_std)
+            q, new_state["conv_q"] = conv(name="q_conv1d")(q, None if state is None else state["conv_q"])
+            k, new_state["conv_k"] = conv(name="k_conv1d")(k, None if state is None else state["conv_k"])
+            v, new_state["conv_v"] = conv(name="v_conv1d")(v, None if state is None else state["conv_v"])
+        gk = lin(cfg.gate_low_rank_dim, ("embed", "rank"), name="gk_proj_0")(x_BxTxD)
+        gk = lin(cfg.key_dim // G, ("rank", "heads"), use_bias=True, fp32_out=True, name="gk_proj_1")(gk)
+
+        q = q.reshape(B, T, H, dk)
+        # GQA: kv head j serves query heads j*G .. j*G+G-1.
+        k, gk = (jnp.repeat(a.reshape(B, T, H // G, dk), G, axis=2) for a in (k, gk))
+        v = jnp.repeat(v.reshape(B, T, H // G, dv), G, axis=2)
+        gk = jax.nn.log_sigmoid(gk.astype(jnp.float32)) / cfg.gate_logit_normalizer
+        if cfg.clamp_min is not None:
+            gk = jnp.maximum(gk, cfg.clamp_min)
+
+        s0 = None if state is None else state["gla"]
+        if s0 is not None and T == 1:
+            o, s = gla_step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], s0)
+            o = o[:, None]
+        elif cfg.attn_impl == "recurrent":
+            o, s = recurrent_gla(q, k, v, gk, initial_state=s0)
+        else:
+            o, s = chunk_gla(q, k, v, gk, initial_state=s0, chunk_size=cfg.chunk_size)
+        new_state["gla"] = s
+
+        g = lin(cfg.value_dim, ("embed", "heads"), name="g_proj")(x_BxTxD).reshape(B, T, H, dv)
+        o = GatedRMSNorm(cfg.norm_eps, dtype=dt, name="g_norm_swish_gate")(o, g).reshape(B, T, H * dv)
+        y = lin(x_BxTxD.shape[-1], ("heads", "embed"), name="o_proj")(o)
+        return y, (None if state is None else new_state)

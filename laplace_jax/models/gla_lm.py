@@ -1,0 +1,159 @@
+"""The GLA language model and its three entry points: forward, prefill, decode step.
+
+    forward(cfg, params, tokens [B, T])              -> logits [B, T, V] fp32
+    prefill(cfg, params, tokens [B, T], state=None)  -> (logits [B, T, V], state)
+    decode_step(cfg, params, token [B], state)       -> (logits [B, V], state)
+
+All three share one parameter tree. Layers are stacked on a leading axis of size n_layers and
+run with ``nn.scan`` (compile time flat in depth), optionally rematerialised. The per-sequence
+state is a dict of stacked arrays: ``gla`` [L, B, H, dk, dv] float32 and, with short conv,
+``conv_q`` / ``conv_k`` / ``conv_v`` [L, B, W, channels] in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from laplace_jax.config import ModelConfig
+from laplace_jax.layers.common import Linear, RMSNorm, SwiGLU
+from laplace_jax.layers.gla import GatedLinearAttention
+
+Array = jax.Array
+Params = dict
+State = dict[str, Array]
+
+
+class Block(nn.Module):
+    """Pre-norm block: x += GLA(RMSNorm(x)); x += SwiGLU(RMSNorm(x))."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxD: Array, state: dict | None) -> tuple[Array, dict | None]:
+        cfg = self.cfg
+        dt = cfg.compute_dtype
+        x_BxTxD = nn.with_logical_constraint(x_BxTxD, ("batch", "length", "act_embed"))
+        h, state = GatedLinearAttention(cfg, name="attn")(RMSNorm(cfg.norm_eps, dt, name="attn_norm")(x_BxTxD), state)
+        x_BxTxD = x_BxTxD + h
+        mlp = SwiGLU(cfg.intermediate_size, dtype=dt, init_std=cfg.init_std, name="mlp")
+        x_BxTxD = x_BxTxD + mlp(RMSNorm(cfg.norm_eps, dt, name="mlp_norm")(x_BxTxD))
+        return x_BxTxD, state
+
+
+class GLALM(nn.Module):
+    """Embeddings -> n_layers scanned blocks -> RMSNorm -> LM head (untied unless tie_embeddings)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens_BxT: Array, state: State | None) -> tuple[Array, State | None]:
+        cfg = self.cfg
+        dt = cfg.compute_dtype
+        embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("vocab", "embed")),
+            param_dtype=jnp.float32,
+            dtype=dt,
+            name="embeddings",
+        )
+        x = embed(tokens_BxT)
+        block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+        stack = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=0,
+            out_axes=0,
+            length=cfg.n_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, state = stack(cfg, name="layers")(x, state)
+        x = RMSNorm(cfg.norm_eps, dt, name="norm")(x)
+        if cfg.tie_embeddings:
+            table = embed.embedding.astype(dt)
+            logits = jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32)
+        else:
+            head = Linear(
+                cfg.vocab_size, ("embed", "vocab"), dtype=dt, init_std=cfg.init_std, fp32_out=True, name="lm_head"
+            )
+            logits = head(x)
+        return logits.astype(jnp.float32), state
+
+
+def _check_tokens(tokens: Array, ndim: int, what: str) -> None:
+    if tokens.ndim != ndim or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        shape = "[B, T]" if ndim == 2 else "[B]"
+        raise ValueError(f"{what} must be integer token ids of shape {shape}; got {tokens.dtype} {tuple(tokens.shape)}")
+    if ndim == 2 and tokens.shape[1] == 0:
+        raise ValueError("tokens must hold at least one position (T >= 1)")
+
+
+def init_params(cfg: ModelConfig, rng: Array) -> Params:
+    """Random float32 parameters (N(0, init_std^2) weights, zero biases, unit norm gains)."""
+    boxed = GLALM(cfg).init(rng, jnp.zeros((1, 1), jnp.int32), None)["params"]
+    return nn.meta.unbox(boxed)
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+    """The parameter tree as ShapeDtypeStructs (nothing allocated)."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+
+
+def param_logical_axes(cfg: ModelConfig) -> Params:
+    """A PartitionSpec of logical axis names for every parameter (stacked layers lead with 'layers')."""
+    boxed = jax.eval_shape(lambda: GLALM(cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32), None))["params"]
+    return nn.get_partition_spec(boxed)
+
+
+def count_params(params: Params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def init_state(cfg: ModelConfig, batch: int) -> State:
+    """A zero per-sequence state for ``batch`` sequences (see module docstring for the layout)."""
+    L = cfg.n_layers
+    state = {"gla": jnp.zeros((L, batch, cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim), jnp.float32)}
+    if cfg.use_short_conv:
+        W, G, dt = cfg.conv_size, cfg.kv_groups, cfg.compute_dtype
+        state["conv_q"] = jnp.zeros((L, batch, W, cfg.key_dim), dt)
+        state["conv_k"] = jnp.zeros((L, batch, W, cfg.key_dim // G), dt)
+        state["conv_v"] = jnp.zeros((L, batch, W, cfg.value_dim // G), dt)
+    return state
+
+
+def _check_state(cfg: ModelConfig, state: State, batch: int) -> None:
+    want = jax.eval_shape(lambda: init_state(cfg, batch))
+    if set(state) != set(want):
+        raise ValueError(f"state must have keys {sorted(want)}; got {sorted(state)}")
+    for key, ref in want.items():
+        if tuple(state[key].shape) != ref.shape:
+            raise ValueError(
+                f"state[{key!r}] must have shape {ref.shape} for batch {batch}; got {tuple(state[key].shape)}"
+            )
+
+
+def forward(cfg: ModelConfig, params: Params, tokens_BxT: Array) -> Array:
+    """Training / scoring forward pass: logits [B, T, V] float32 from a zero state."""
+    _check_tokens(tokens_BxT, 2, "tokens")
+    logits, _ = GLALM(cfg).apply({"params": params}, tokens_BxT, None)
+    return logits
+
+
+def prefill(cfg: ModelConfig, params: Params, tokens_BxT: Array, state: State | None = None) -> tuple[Array, State]:
+    """Run a prompt (optionally continuing ``state``): (logits [B, T, V], state after the prompt)."""
+    _check_tokens(tokens_BxT, 2, "tokens")
+    if state is None:
+        state = init_state(cfg, tokens_BxT.shape[0])
+    _check_state(cfg, state, tokens_BxT.shape[0])
+    return GLALM(cfg).apply({"params": params}, tokens_BxT, state)
+
+
+def decode_step(cfg: ModelConfig, params: Params, token_B: Array, state: State) -> tuple[Array, State]:
+    """Advance every sequence by one token with the recurrent step: (logits [B, V], state)."""
+    _check_tokens(token_B, 1, "token")
+    _check_state(cfg, state, token_B.shape[0])
+    logits, state = GLALM(cfg).apply({"params": params}, token_B[:, None], state)
+    return logits[:, 0], state

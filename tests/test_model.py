@@ -1,0 +1,180 @@
+"""The whole GLA model vs the PyTorch reference, loaded through laplace_jax.convert."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from laplace_jax import ModelConfig, decode_step, forward, init_params, prefill
+from laplace_jax.convert import load_fla
+from tests.torch_gla import GLAForCausalLM
+
+LOGIT_TOL = 1e-4  # |jax - torch| <= 1e-4 * (|torch| + max|torch|) elementwise, fp32
+
+
+def fla_config(**kw):
+    c = dict(
+        model_type="gla",
+        vocab_size=97,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_heads=4,
+        num_kv_heads=None,
+        expand_k=0.5,
+        expand_v=1.0,
+        hidden_ratio=4,
+        intermediate_size=None,
+        use_short_conv=False,
+        conv_size=4,
+        norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        feature_map=None,
+        use_gk=True,
+        use_gv=False,
+        use_output_gate=True,
+        hidden_act="swish",
+        attn=None,
+        fuse_norm=True,
+    )
+    c.update(kw)
+    return c
+
+
+def write_fla_checkpoint(path, c, seed=0, std=0.1):
+    torch.manual_seed(seed)
+    model = GLAForCausalLM(c, std=std).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(c))
+    return model
+
+
+@pytest.mark.parametrize("short_conv", [False, True])
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_logits_match_torch_reference(tmp_path, short_conv, kv_heads):
+    c = fla_config(use_short_conv=short_conv, num_kv_heads=kv_heads)
+    ref_model = write_fla_checkpoint(tmp_path, c)
+    cfg, params = load_fla(str(tmp_path), chunk_size=64)
+    tokens = np.random.default_rng(0).integers(0, c["vocab_size"], (2, 150))  # 150: not a multiple of 64
+    with torch.no_grad():
+        ref = ref_model(torch.from_numpy(tokens)).double().numpy()
+    out = np.asarray(jax.jit(forward, static_argnums=0)(cfg, params, jnp.asarray(tokens)), np.float64)
+    err = np.abs(out - ref)
+    assert np.all(err <= LOGIT_TOL * (np.abs(ref) + np.abs(ref).max())), err.max()
+
+
+@pytest.mark.parametrize("short_conv", [False, True])
+def test_prefill_then_decode_equals_forward(short_conv):
+    cfg = ModelConfig(
+        vocab_size=61, d_model=64, n_layers=2, n_heads=2, use_short_conv=short_conv, chunk_size=32, init_std=0.1
+    )
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (3, 77), 0, cfg.vocab_size)
+    full = forward(cfg, params, tokens)
+    P = 70
+    logits, state = prefill(cfg, params, tokens[:, :P])
+    np.testing.assert_allclose(logits, full[:, :P], atol=1e-5 * float(jnp.abs(full).max()))
+    step = jax.jit(decode_step, static_argnums=0)
+    for t in range(P, 77):
+        out, state = step(cfg, params, tokens[:, t], state)
+        np.testing.assert_allclose(out, full[:, t], atol=1e-5 * float(jnp.abs(full).max()))
+
+
+def test_chunked_prefill_continues_state():
+    cfg = ModelConfig(
+        vocab_size=61, d_model=64, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1
+    )
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 50), 0, cfg.vocab_size)
+    full, s_full = prefill(cfg, params, tokens)
+    a, s = prefill(cfg, params, tokens[:, :20])
+    b, s = prefill(cfg, params, tokens[:, 20:], s)
+    np.testing.assert_allclose(jnp.concatenate([a, b], 1), full, atol=1e-5 * float(jnp.abs(full).max()))
+    for key in s:
+        np.testing.assert_allclose(s[key], s_full[key], atol=1e-5)
+
+
+BF16_LOGIT_BOUND = 3e-2  # RMS relative error of bf16-compute logits vs fp32 (README)
+
+
+def test_bf16_compute_error_is_bounded():
+    kw = dict(vocab_size=256, d_model=128, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=64, init_std=0.05)
+    params = init_params(ModelConfig(**kw), jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 200), 0, 256)
+    ref = forward(ModelConfig(**kw), params, tokens)
+    out = forward(ModelConfig(**kw, dtype="bfloat16"), params, tokens)
+    assert out.dtype == jnp.float32
+    err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    print(f"bf16 vs fp32 logits RMS relative error: {err:.2e}")
+    assert err < BF16_LOGIT_BOUND
+
+
+def test_remat_and_recurrent_impl_give_same_logits():
+    kw = dict(vocab_size=61, d_model=64, n_layers=3, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1)
+    params = init_params(ModelConfig(**kw), jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 40), 0, 61)
+    ref = forward(ModelConfig(**kw), params, tokens)
+    for extra in (dict(remat=True), dict(attn_impl="recurrent")):
+        np.testing.assert_allclose(forward(ModelConfig(**kw, **extra), params, tokens), ref, atol=1e-5)
+
+
+def test_tied_embeddings_have_no_head():
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2, tie_embeddings=True)
+    params = init_params(cfg, jax.random.key(0))
+    assert "lm_head" not in params
+    assert forward(cfg, params, jnp.zeros((1, 3), jnp.int32)).shape == (1, 3, 50)
+
+
+def test_bad_model_inputs():
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2, use_short_conv=True)
+    params = init_params(cfg, jax.random.key(0))
+    with pytest.raises(ValueError, match="integer token ids"):
+        forward(cfg, params, jnp.zeros((1, 3), jnp.float32))
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        forward(cfg, params, jnp.zeros((3,), jnp.int32))
+    _, state = prefill(cfg, params, jnp.zeros((2, 3), jnp.int32))
+    with pytest.raises(ValueError, match="batch 3"):
+        decode_step(cfg, params, jnp.zeros((3,), jnp.int32), state)
+
+
+def analytic_param_count(cfg: ModelConfig) -> int:
+    """Independent count from the architecture description in gla.md."""
+    d, G = cfg.d_model, cfg.kv_groups
+    kd, vd = int(d * cfg.expand_k), int(d * cfg.expand_v)
+    mlp = cfg.mlp_dim or 256 * math.ceil(int(d * cfg.hidden_ratio * 2 / 3) / 256)
+    attn = d * kd + d * kd // G + d * vd // G + d * vd + vd * d
+    attn += d * cfg.gate_low_rank_dim + cfg.gate_low_rank_dim * kd // G + kd // G + vd // cfg.n_heads
+    if cfg.use_short_conv:
+        attn += cfg.conv_size * (kd + kd // G + vd // G)
+    layer = attn + 3 * d * mlp + 2 * d
+    head = 0 if cfg.tie_embeddings else d * cfg.vocab_size
+    return cfg.vocab_size * d + cfg.n_layers * layer + d + head
+
+
+@pytest.mark.parametrize("name", ["tiny", "gla_340m", "gla_1b3", "3b"])
+def test_param_count_of_every_config(name):
+    from laplace_jax.config import load_config_file, model_config
+    from laplace_jax.info import model_report
+
+    cfg = model_config(load_config_file(f"configs/{name}.py"))
+    rep = model_report(cfg)
+    assert rep["params"] == analytic_param_count(cfg)
+    if name == "3b":
+        assert rep["params"] == 3_029_528_064  # gla.md: 3.0295e9 with short conv
+        assert rep["state_bytes_per_sequence"] == 29_491_200
+        assert rep["kv_cache_bytes_bf16"] == 2_415_919_104
+        assert round(rep["kv_cache_over_state"], 1) == 81.9
+
+
+def test_torch_reference_param_count_matches():
+    c = fla_config(use_short_conv=True, num_kv_heads=2)
+    from laplace_jax.convert import config_from_fla
+
+    n_torch = sum(p.numel() for p in GLAForCausalLM(c).parameters())
+    assert n_torch == analytic_param_count(config_from_fla(c))

@@ -1,0 +1,114 @@
+"""chunk_gla vs recurrent_gla vs an independent PyTorch recurrence (fp32 and bf16)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from laplace_jax.ops.gla import chunk_gla, gla_step, recurrent_gla
+from tests.torch_gla import naive_recurrent_gla
+
+TOL = 1e-4  # max abs error relative to the output scale (max |o_ref|), fp32
+
+
+def _inputs(T, decay, seed=0, B=2, H=2, K=16, V=32, dtype=np.float32):
+    r = np.random.default_rng(seed)
+    q, k = (r.standard_normal((B, T, H, K)).astype(dtype) for _ in range(2))
+    v = r.standard_normal((B, T, H, V)).astype(dtype)
+    if decay == "weak":  # fla's gate: logsigmoid(z) / 16
+        g = np.log(1 / (1 + np.exp(-r.standard_normal((B, T, H, K))))) / 16
+    else:  # strong and mixed: per-token log-decays down to about -50 nats, some near 0
+        z = r.standard_normal((B, T, H, K)) * 30 - 20
+        g = -np.logaddexp(0, -z)
+    s0 = r.standard_normal((B, H, K, V)).astype(np.float32)
+    return q, k, v, g.astype(np.float32), s0
+
+
+def _rel(a, ref):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.mark.parametrize("T", [1, 100, 128, 300, 2048])
+@pytest.mark.parametrize("decay", ["weak", "strong"])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunk_recurrent_torch_agree(T, decay, with_state):
+    q, k, v, g, s0 = _inputs(T, decay, seed=T)
+    init = s0 if with_state else None
+    o_t, s_t = naive_recurrent_gla(
+        *(torch.from_numpy(x) for x in (q, k, v, g)), initial_state=None if init is None else torch.from_numpy(init)
+    )
+    o_t, s_t = o_t.double().numpy(), s_t.double().numpy()
+    o_c, s_c = chunk_gla(q, k, v, g, initial_state=init)
+    o_r, s_r = recurrent_gla(q, k, v, g, initial_state=init)
+    assert o_c.shape == o_t.shape and s_c.dtype == jnp.float32
+    assert np.all(np.isfinite(o_c))
+    assert _rel(o_c, o_t) <= TOL
+    assert _rel(o_r, o_t) <= TOL
+    assert _rel(s_c, s_t) <= TOL
+    assert _rel(s_r, s_t) <= TOL
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64, 256])
+def test_chunk_size_does_not_change_result(chunk_size):
+    q, k, v, g, s0 = _inputs(300, "weak")
+    ref, _ = chunk_gla(q, k, v, g, initial_state=s0, chunk_size=128)
+    o, _ = chunk_gla(q, k, v, g, initial_state=s0, chunk_size=chunk_size)
+    assert _rel(o, np.asarray(ref, np.float64)) <= TOL
+
+
+@pytest.mark.parametrize("decay", ["weak", "strong"])
+def test_gradients_chunk_equal_recurrent(decay):
+    q, k, v, g, s0 = _inputs(300, decay, seed=7)
+    r = np.random.default_rng(1)
+    w_o = r.standard_normal((2, 300, 2, 32)).astype(np.float32)
+    w_s = r.standard_normal(s0.shape).astype(np.float32)
+
+    def loss(fn, *args):
+        o, s = fn(*args[:4], initial_state=args[4])
+        return jnp.sum(o * w_o) + jnp.sum(s * w_s)
+
+    grads_c = jax.grad(lambda *a: loss(chunk_gla, *a), argnums=range(5))(q, k, v, g, s0)
+    grads_r = jax.grad(lambda *a: loss(recurrent_gla, *a), argnums=range(5))(q, k, v, g, s0)
+    for name, gc, gr in zip(["q", "k", "v", "g", "s0"], grads_c, grads_r, strict=True):
+        assert np.all(np.isfinite(gc)), name
+        assert _rel(gc, np.asarray(gr, np.float64)) <= TOL, name
+
+
+def test_step_matches_recurrence():
+    q, k, v, g, s0 = _inputs(5, "weak")
+    o_r, s_r = recurrent_gla(q, k, v, g, initial_state=s0)
+    s = s0
+    for t in range(5):
+        o, s = gla_step(q[:, t], k[:, t], v[:, t], g[:, t], s)
+        np.testing.assert_allclose(o, o_r[:, t], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(s, s_r, rtol=1e-6, atol=1e-6)
+
+
+BF16_BOUND = 2e-2  # RMS relative error of bf16-input chunk_gla vs fp32 (documented in README)
+
+
+def test_bf16_inputs_accumulate_in_fp32():
+    q, k, v, g, _s0 = _inputs(512, "weak", seed=3)
+    ref, _s_ref = chunk_gla(q, k, v, g)
+    o, s = chunk_gla(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), g)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    err = float(jnp.linalg.norm(o.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+    print(f"bf16 chunk_gla RMS relative error: {err:.2e}")
+    assert err < BF16_BOUND
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, k, v, g, s0 = _inputs(10, "weak")
+    with pytest.raises(ValueError, match="rank 4"):
+        chunk_gla(q[0], k, v, g)
+    with pytest.raises(ValueError, match="share one shape"):
+        chunk_gla(q, k[..., :8], v, g)
+    with pytest.raises(ValueError, match="v must be"):
+        recurrent_gla(q, k, v[:, :5], g)
+    with pytest.raises(TypeError, match="floating"):
+        chunk_gla(q.astype(np.int32), k, v, g)
+    with pytest.raises(ValueError, match="initial_state"):
+        chunk_gla(q, k, v, g, initial_state=s0[:, :1])
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_gla(q, k, v, g, chunk_size=24)
