@@ -25,7 +25,11 @@ def _parse(argv: list[str]) -> list[str]:
 
 def run(main: Callable[[list[str]], None]) -> None:
     """``absl.app.run`` with readable errors for config typos and ``UserError``/``ConfigError``."""
+    import logging
+
     from laplace_jax.config import ConfigError
+
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # no "Unable to initialize backend 'tpu'"
 
     def guarded(argv: list[str]) -> None:
         if "config" in flags.FLAGS:

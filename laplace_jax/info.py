@@ -81,12 +81,24 @@ def main(argv: list[str]) -> None:
     from absl import flags
 
     from laplace_jax.config import model_config
+    from laplace_jax.optim.comm_report import format_comm_report, muon_comm_report, use_fake_cpu_devices
 
     del argv
     FLAGS = flags.FLAGS
+    if FLAGS.muon:
+        use_fake_cpu_devices(FLAGS.devices)
     cfg = model_config(FLAGS.config)
     rep = model_report(cfg, FLAGS.kv_tokens)
-    print(json.dumps(rep, indent=2) if FLAGS.json else format_report(rep))
+    if FLAGS.muon:
+        comm = jnp.bfloat16 if FLAGS.comm_dtype == "bfloat16" else None
+        rep["muon"] = muon_comm_report(cfg, FLAGS.devices, comm)
+    if FLAGS.json:
+        print(json.dumps(rep, indent=2))
+        return
+    print(format_report(rep))
+    if FLAGS.muon:
+        print(f"\nDistributed Muon on {FLAGS.devices} fake CPU devices (compiled, nothing allocated):")
+        print(format_comm_report(rep["muon"]))
 
 
 if __name__ == "__main__":
@@ -99,4 +111,7 @@ if __name__ == "__main__":
     flags.mark_flag_as_required("config")
     flags.DEFINE_bool("json", False, "Print machine-readable JSON instead of a table.")
     flags.DEFINE_integer("kv_tokens", 8192, "Context length for the softmax KV-cache comparison.")
+    flags.DEFINE_bool("muon", False, "Compile the distributed Muon update and report its communication.")
+    flags.DEFINE_integer("devices", 64, "Fake CPU devices (mesh size) for --muon.")
+    flags.DEFINE_enum("comm_dtype", "float32", ["float32", "bfloat16"], "All-to-all payload dtype for --muon.")
     cli.run(main)

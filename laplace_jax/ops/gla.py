@@ -93,39 +93,53 @@ def _rev_excl_cumsum(x: Array, axis: int) -> Array:
     return jnp.concatenate([jax.lax.slice_in_dim(incl, 1, None, axis=axis), zero], axis=axis)
 
 
+def _shift_down(x: Array, d: int, axis: int) -> Array:
+    """x[r - d] along ``axis`` (zeros where r < d)."""
+    if d == 0:
+        return x
+    n = x.shape[axis]
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (d, 0)
+    return jax.lax.slice_in_dim(jnp.pad(x, pad), 0, n, axis=axis)
+
+
 def _intra_chunk(q: Array, k: Array, g: Array, scale: float, dtype: jnp.dtype) -> Array:
     """Causal intra-chunk scores A[..., r, s] = scale * sum_k q_r k_s exp(sum_{s<t<=r} g_t), s <= r.
 
-    q, k, g: [..., C, K] (g fp32) -> A [..., C, C] fp32. Every exponent is a direct sum of
-    log-decays (all <= 0), never a difference of two cumulative sums, so it is exact to a few
-    ulps of itself even when the decay inside the chunk spans thousands of nats.
+    q, k, g: [..., C, K] (g fp32) -> A [..., C, C] fp32. Every decay factor is an exp of a direct
+    sum of log-decays (<= 0) or a product of such factors, never an exp of a difference of two
+    cumulative sums, so it is exact to a few ulps even when the decay spans thousands of nats.
     """
     *lead, C, K = q.shape
     c = min(SUB_CHUNK, C)
     n = C // c
     f32 = jnp.float32
     qs, ks, gs = (x.reshape(*lead, n, c, K) for x in (q.astype(f32), k.astype(f32), g))
-    # Off-diagonal sub-blocks (i > j): exp(sum_{s<t<=r} g) factors into
-    # exp(local cumsum of row r in block i) * exp(range sum from s to the end of block i-1).
-    local = jnp.cumsum(gs, axis=-2)  # [..., n, c, K]: sum from the start of the sub-block to r
-    tail = _rev_excl_cumsum(gs, axis=-2)  # [..., n, c, K]: sum from s (excl.) to the end of its sub-block
-    totals = jnp.sum(gs, axis=-2)  # [..., n, K]
+    # Off-diagonal sub-blocks (i > j): exp(sum_{s<t<=r} g) = exp(head of row r in block i)
+    # * exp(whole blocks strictly between j and i) * exp(tail of column s in block j); each <= 1.
+    q_head = qs * jnp.exp(jnp.cumsum(gs, axis=-2))  # [..., n, c, K]
+    k_tail = ks * jnp.exp(_rev_excl_cumsum(gs, axis=-2))  # [..., n, c, K]
     i, j, m = jnp.arange(n)[:, None, None], jnp.arange(n)[None, :, None], jnp.arange(n)[None, None, :]
-    between = ((j < m) & (m < i)).astype(f32)  # [n(i), n(j), n(m)]: whole sub-blocks strictly between
-    gap = jnp.einsum("...mk,ijm->...ijk", totals, between)  # [..., n, n, K]
-    below = (jnp.arange(n)[:, None] > jnp.arange(n)[None, :])[:, :, None, None]  # j < i
-    expo = jnp.where(below, gap[..., :, :, None, :] + tail[..., None, :, :, :], -jnp.inf)
-    k_ref = ks[..., None, :, :, :] * jnp.exp(expo)  # [..., n(i), n(j), c, K]
-    q_ref = qs * jnp.exp(local)
-    a_off = _dot("...ick,...ijsk->...icjs", q_ref, k_ref, dtype).reshape(*lead, C, C)
-    # Diagonal sub-blocks: exact pairwise exponents, each a direct masked sum.
-    r_, s_, t_ = jnp.arange(c)[:, None, None], jnp.arange(c)[None, :, None], jnp.arange(c)[None, None, :]
-    window = ((s_ < t_) & (t_ <= r_)).astype(f32)  # [c(r), c(s), c(t)]
-    pair = jnp.einsum("...itk,rst->...irsk", gs, window)
-    tri = jnp.tril(jnp.ones((c, c), f32))
-    a_diag = jnp.einsum("...irk,...isk,...irsk,rs->...irs", qs, ks, jnp.exp(pair), tri)
-    a_diag = jnp.einsum("...irs,ij->...irjs", a_diag, jnp.eye(n, dtype=f32)).reshape(*lead, C, C)
-    return scale * (a_off + a_diag)
+    between = ((j < m) & (m < i)).astype(f32)  # [n(i), n(j), n(m)]
+    gap = jnp.einsum("...mk,ijm->...ijk", jnp.sum(gs, axis=-2), between)  # [..., n, n, K]
+    below = (jnp.arange(n)[:, None] > jnp.arange(n)[None, :])[:, :, None]
+    w_gap = jnp.where(below, jnp.exp(gap), 0.0)  # [..., n(i), n(j), K]
+    q_gap = q_head[..., :, None, :, :] * w_gap[..., :, :, None, :]  # [..., n(i), n(j), c, K]
+    a_off = _dot("...ijrk,...jsk->...irjs", q_gap, k_tail, dtype)  # [..., n, c, n, c]
+    # Diagonal sub-blocks, one diagonal d = r - s at a time: the decay prod_{r-d<t<=r} exp(g_t)
+    # gains one factor <= 1 per diagonal (a product of d terms: relative error <= d ulps).
+    step_decay = jnp.exp(gs)
+    decay = jnp.ones_like(gs)
+    diags = []
+    for d in range(c):
+        if d:
+            decay = decay * _shift_down(step_decay, d - 1, axis=-2)
+        diags.append(jnp.sum(qs * decay * _shift_down(ks, d, axis=-2), axis=-1))  # [..., n, c(r)]
+    by_diag = jnp.stack(diags, axis=-2)  # [..., n, c(d), c(r)]
+    r_idx, s_idx = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
+    a_diag = by_diag[..., jnp.maximum(r_idx - s_idx, 0), r_idx] * (s_idx <= r_idx)  # [..., n, c, c]
+    a_diag = jnp.einsum("...irs,ij->...irjs", a_diag, jnp.eye(n, dtype=f32))
+    return scale * (a_off + a_diag).reshape(*lead, C, C)
 
 
 def chunk_gla(
@@ -163,17 +177,19 @@ def chunk_gla(
     gc = chunks(g).astype(f32)  # [B, H, N, C, K], <= 0
 
     o_intra = _dot("bhnrs,bhnsv->bhnrv", _intra_chunk(qc, kc, gc, scale, dtype), vc, dtype)
-    q_inter = qc.astype(f32) * (scale * jnp.exp(jnp.cumsum(gc, axis=-2)))  # decay from chunk start to r
-    k_state = kc.astype(f32) * jnp.exp(_rev_excl_cumsum(gc, axis=-2))  # decay from s to chunk end
-    kv = _dot("bhnck,bhncv->nbhkv", k_state, vc, dtype)  # [N, B, H, K, V]
-    decay = jnp.exp(jnp.sum(gc, axis=-2)).transpose(2, 0, 1, 3)[..., None]  # [N, B, H, K, 1]
+    # Inter-chunk part: the scan carries the state; each step reads one chunk (chunk-major).
+    to_n = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  [B, H, N, ...] -> [N, B, H, ...]
+    q_inter = to_n(qc.astype(f32) * (scale * jnp.exp(jnp.cumsum(gc, axis=-2))))  # decay from chunk start to r
+    k_state = to_n(kc.astype(f32) * jnp.exp(_rev_excl_cumsum(gc, axis=-2)))  # decay from s to chunk end
+    decay = to_n(jnp.exp(jnp.sum(gc, axis=-2)))[..., None]  # [N, B, H, K, 1]
 
     def step(s, xs):
-        decay_n, kv_n = xs
-        return decay_n * s + kv_n, s
+        q_n, k_n, v_n, decay_n = xs
+        o_n = _dot("bhck,bhkv->bhcv", q_n, s, dtype)
+        return decay_n * s + _dot("bhck,bhcv->bhkv", k_n, v_n, dtype), o_n
 
     s0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
-    final_state, s_prev = jax.lax.scan(step, s0, (decay, kv))  # s_prev: [N, B, H, K, V]
-    o_inter = _dot("bhnck,nbhkv->bhncv", q_inter, s_prev, dtype)
+    final_state, o_inter = jax.lax.scan(step, s0, (q_inter, k_state, to_n(vc), decay))  # o_inter: [N, B, H, C, V]
+    o_inter = jnp.moveaxis(o_inter, 0, 2)
     o = (o_inter + o_intra).transpose(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
     return o.astype(v.dtype), final_state

@@ -1,0 +1,170 @@
+"""Newton-Schulz orthogonalisation and its distribution over a mesh axis by two all-to-alls.
+
+Every Muon matrix of every layer goes into one flat list. Each matrix gets an owner rank
+(greedy longest-processing-time on NS FLOPs). Ranks hold 1/N of the rows (the fan-in axis) of
+every matrix. All-to-all #1 sends every rank's row block of each matrix to its owner, owners
+run NS on whole matrices, all-to-all #2 returns each rank its row block of every result. The
+per-owner buffer layouts are static; the owner's work is selected with ``lax.switch`` on the
+axis index so all ranks run one SPMD program. N = 1 is the same code without collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def newton_schulz(x: Array, coeffs: Sequence[float], steps: int | Array, eps: float) -> Array:
+    """Approximate U V^T of x [..., m, n] (whole matrices; fp32 in, fp32 out).
+
+    Works on the wide orientation, normalises each matrix by its Frobenius norm, then runs
+    ``steps`` quintic iterations X <- a X + (b A + c A A) X with A = X X^T.
+    """
+    a, b, c = coeffs
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = jnp.swapaxes(x, -1, -2)
+    x = x / (jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True)) + eps)
+
+    def iteration(_, x):
+        gram = x @ jnp.swapaxes(x, -1, -2)
+        return a * x + (b * gram + c * gram @ gram) @ x
+
+    x = jax.lax.fori_loop(0, steps, iteration, x)
+    return jnp.swapaxes(x, -1, -2) if tall else x
+
+
+def ns_flops(m: int, n: int) -> float:
+    """FLOPs of one NS iteration on an m x n matrix (wide orientation p <= q)."""
+    p, q = min(m, n), max(m, n)
+    return 4 * p * p * q + 2 * p**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static assignment of matrices to owner ranks and the all-to-all buffer layout.
+
+    shapes[i]: (rows, cols) of matrix i, rows padded to a multiple of N; owner[i]: its rank;
+    offset[i]: start of its row block inside the owner's segment; segment: padded segment
+    length S (elements) so every rank sends and receives an [N, S] buffer.
+    """
+
+    n_ranks: int
+    shapes: tuple[tuple[int, int], ...]
+    owner: tuple[int, ...]
+    offset: tuple[int, ...]
+    segment: int
+    flops: tuple[float, ...]  # per NS iteration
+
+    def matrices_of(self, rank: int) -> list[int]:
+        return [i for i, o in enumerate(self.owner) if o == rank]
+
+    def rank_flops(self) -> list[float]:
+        out = [0.0] * self.n_ranks
+        for i, o in enumerate(self.owner):
+            out[o] += self.flops[i]
+        return out
+
+
+def make_plan(shapes: Sequence[tuple[int, int]], n_ranks: int) -> Plan:
+    """Greedy LPT: matrices by decreasing NS FLOPs, each to the currently least-loaded rank."""
+    padded = tuple((math.ceil(m / n_ranks) * n_ranks, n) for m, n in shapes)
+    flops = tuple(ns_flops(m, n) for m, n in shapes)
+    load = [0.0] * n_ranks
+    owner = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-flops[i], i)):
+        r = min(range(n_ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += flops[i]
+    offset = [0] * len(shapes)
+    used = [0] * n_ranks
+    for i, (m, n) in enumerate(padded):
+        offset[i] = used[owner[i]]
+        used[owner[i]] += (m // n_ranks) * n
+    return Plan(n_ranks, padded, tuple(owner), tuple(offset), max(used + [1]), flops)
+
+
+def distributed_newton_schulz(
+    blocks: list[Array],
+    plan: Plan,
+    *,
+    axis_name: str | None,
+    coeffs: Sequence[float],
+    steps: int | Array,
+    eps: float,
+    comm_dtype: jnp.dtype | None = None,
+) -> list[Array]:
+    """Orthogonalise matrices held as row blocks. Runs inside ``shard_map`` when N > 1.
+
+    blocks[i]: this rank's [rows_i / N, cols_i] block of matrix i (fp32). Returns the matching
+    blocks of NS(matrix i). With N == 1 the blocks are the whole matrices and no collective runs.
+    """
+    N, S = plan.n_ranks, plan.segment
+    f32 = jnp.float32
+    wire = comm_dtype or f32
+
+    def pack(pieces_by_owner: dict[int, list[Array]]) -> Array:
+        rows = []
+        for o in range(N):
+            flat = [p.reshape(-1) for p in pieces_by_owner.get(o, [])]
+            row = jnp.concatenate(flat) if flat else jnp.zeros((0,), f32)
+            rows.append(jnp.pad(row, (0, S - row.shape[0])))
+        return jnp.stack(rows).astype(wire)
+
+    def exchange(buf_NxS: Array) -> Array:
+        if N == 1:
+            return buf_NxS.astype(f32)
+        if buf_NxS.dtype.itemsize == 2:
+            # Some backends (XLA:CPU) widen 16-bit float collectives to f32; as uint16 the payload
+            # stays 2 bytes per element everywhere.
+            bits = jax.lax.all_to_all(jax.lax.bitcast_convert_type(buf_NxS, jnp.uint16), axis_name, 0, 0, tiled=True)
+            return jax.lax.bitcast_convert_type(bits, buf_NxS.dtype).astype(f32)
+        return jax.lax.all_to_all(buf_NxS, axis_name, 0, 0, tiled=True).astype(f32)
+
+    # All-to-all #1: row o of the send buffer holds my blocks of the matrices rank o owns.
+    by_owner: dict[int, list[Array]] = {}
+    for i, blk in enumerate(blocks):
+        by_owner.setdefault(plan.owner[i], []).append(blk.astype(f32))
+    received = exchange(pack(by_owner))  # row r: rank r's blocks of the matrices I own
+
+    def owner_branch(rank: int):
+        def run(recv_NxS: Array) -> Array:
+            mine = plan.matrices_of(rank)
+            groups: dict[tuple[int, int], list[int]] = {}
+            for i in mine:
+                groups.setdefault(plan.shapes[i], []).append(i)
+            out = jnp.zeros((N, S), f32)
+            for (m, n), idx in groups.items():
+                size = (m // N) * n
+                whole = jnp.stack(
+                    [
+                        jax.lax.dynamic_slice_in_dim(recv_NxS, plan.offset[i], size, axis=1).reshape(N * (m // N), n)
+                        for i in idx
+                    ]
+                )
+                result = newton_schulz(whole, coeffs, steps, eps)  # [len(idx), m, n]
+                for j, i in enumerate(idx):
+                    piece = result[j].reshape(N, size)
+                    out = jax.lax.dynamic_update_slice_in_dim(out, piece, plan.offset[i], axis=1)
+            return out.astype(wire)
+
+        return run
+
+    if N == 1:
+        results = owner_branch(0)(received)
+    else:
+        me = jax.lax.axis_index(axis_name)
+        results = jax.lax.switch(me, [owner_branch(r) for r in range(N)], received)
+    # All-to-all #2: row o now holds my blocks of the results of the matrices rank o owns.
+    returned = exchange(results)
+    out = []
+    for i, blk in enumerate(blocks):
+        size = blk.size
+        out.append(jax.lax.dynamic_slice_in_dim(returned[plan.owner[i]], plan.offset[i], size).reshape(blk.shape))
+    return out
