@@ -28,3 +28,11 @@ def matmul_gflops(n: int = 2048, dtype=jnp.float32, repeats: int = 7) -> float:
     b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     f = jax.jit(jnp.matmul)
     return 2 * n**3 / median_seconds(lambda: f(a, b), repeats) / 1e9
+
+
+def batched_matmul_gflops(batch: int = 256, m: int = 128, k: int = 128, n: int = 256, repeats: int = 7) -> float:
+    """Throughput of a batch of small matmuls (the shape chunk_gla issues per chunk)."""
+    a = jax.random.normal(jax.random.key(0), (batch, m, k))
+    b = jax.random.normal(jax.random.key(1), (batch, k, n))
+    f = jax.jit(lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b))
+    return 2 * batch * m * k * n / median_seconds(lambda: f(a, b), repeats) / 1e9

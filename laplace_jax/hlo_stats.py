@@ -5,12 +5,16 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4, "u16": 2, "s16": 2, "s8": 1, "u8": 1, "pred": 1}
+_BYTES = {
+    **{"f64": 8, "s64": 8, "f32": 4, "s32": 4, "u32": 4},
+    **{"bf16": 2, "f16": 2, "u16": 2, "s16": 2, "s8": 1, "u8": 1, "pred": 1},
+}
 COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
 _COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _SHAPE = re.compile(r"\b(f64|f32|bf16|f16|s64|s32|u32|u16|s16|s8|u8|pred)\[([\d,]*)\]")
 _WHILE = re.compile(r"while\(.*body=%?([\w.\-]+).*?known_trip_count[^0-9]*(\d+)")
-_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations|true_computation|false_computation)=\{?([^}]*)\}?")
+_CALLERS = "calls|to_apply|body|condition|branch_computations|true_computation|false_computation"
+_CALLS = re.compile(rf"(?:{_CALLERS})=\{{?([^}}]*)\}}?")
 
 
 def _shape_bytes(text: str) -> int:

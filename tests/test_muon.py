@@ -107,18 +107,24 @@ def _mesh(n=8):
 
 def _dist_params():
     r = np.random.default_rng(2)
-    shapes = {"a": (3, 40, 24), "b": (24, 70), "c": (100, 16), "d": (5, 13, 9)}  # tall, wide, rows % 8 != 0
+    # tall, wide, rows % 8 != 0, and "e" sharded by columns
+    shapes = {"a": (3, 40, 24), "b": (24, 70), "c": (100, 16), "d": (5, 13, 9), "e": (2, 12, 48)}
     p = {k: {"kernel": jnp.asarray(r.standard_normal(s), jnp.float32)} for k, s in shapes.items()}
     p["norm"] = {"weight": jnp.ones((7,))}
     return p
 
 
-def _shard(mesh, tree):
-    def put(x):
-        spec = P(*([None] * (x.ndim - 2)), "fsdp", None) if x.ndim >= 2 and x.shape[-2] % 8 == 0 else P()
-        return jax.device_put(x, NamedSharding(mesh, spec))
+def _specs(tree):
+    def spec(path, x):
+        if "'e'" in jax.tree_util.keystr(path):
+            return P(None, None, "fsdp")
+        return P(*([None] * (x.ndim - 2)), "fsdp", None) if x.ndim >= 2 and x.shape[-2] % 8 == 0 else P()
 
-    return jax.tree.map(put, tree)
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def _shard(mesh, tree):
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, _specs(tree))
 
 
 @pytest.mark.parametrize("comm_dtype", [None, jnp.bfloat16])
@@ -127,7 +133,8 @@ def test_distributed_equals_single_device(comm_dtype):
     targets = jax.tree.map(lambda x: -x, params)
     single = _run(muon(0.01), params, _quad_grads(targets))
     mesh = _mesh()
-    dist = _run(muon(0.01, mesh=mesh, comm_dtype=comm_dtype), _shard(mesh, params), _quad_grads(targets))
+    tx = muon(0.01, mesh=mesh, comm_dtype=comm_dtype, param_specs=_specs(params))
+    dist = _run(tx, _shard(mesh, params), _quad_grads(targets))
     tol = 1e-6 if comm_dtype is None else 2e-3
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(single), jax.tree.leaves(dist), strict=True):
         assert float(jnp.max(jnp.abs(a - b))) <= tol, jax.tree_util.keystr(path)
@@ -137,10 +144,10 @@ def test_compiled_update_has_two_all_to_alls_and_no_all_gather():
     # Fan-in divisible by the mesh, as for every hidden matrix of the configs (replicated leaves
     # with padded rows are exact too, see above, but their result is re-replicated by a gather).
     r = np.random.default_rng(3)
-    shapes = {"a": (3, 40, 24), "b": (24, 70), "c": (64, 16), "d": (2, 8, 96)}
+    shapes = {"a": (3, 40, 24), "b": (24, 70), "c": (64, 16), "d": (2, 8, 96), "e": (3, 20, 32)}
     params = {k: {"kernel": jnp.asarray(r.standard_normal(s), jnp.float32)} for k, s in shapes.items()}
     mesh = _mesh()
-    tx = muon(0.01, mesh=mesh)
+    tx = muon(0.01, mesh=mesh, param_specs=_specs(params))
     sharded = _shard(mesh, params)
     state = tx.init(sharded)
     hlo = jax.jit(tx.update).lower(sharded, state, sharded).compile().as_text()

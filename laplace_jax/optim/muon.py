@@ -12,9 +12,10 @@ Routing: regex rules on the parameter path ("layers/attn/q_proj/kernel"), first 
 unmatched leaves go to AdamW. By default embeddings, the LM head, norms, biases, short-conv
 kernels and the GLA gate's low-rank pair (gk_proj_0/1) use AdamW.
 
-With ``mesh``, the Muon leaves must be sharded over ``shard_axis`` on their fan-in axis (the
-training rules do this); momentum, weight decay and the update stay elementwise on shards and
-only Newton-Schulz moves data: two all-to-alls per step (see ``newton_schulz.py``).
+With ``mesh``, each Muon matrix is split over ``shard_axis`` along whichever of its two axes
+``param_specs`` (the parameters' PartitionSpecs) shards (rows by default); momentum, weight
+decay and the update stay elementwise on shards and only Newton-Schulz moves data: two
+all-to-alls per step (see ``newton_schulz.py``).
 """
 
 from __future__ import annotations
@@ -70,8 +71,22 @@ def lr_scale(fan_in: int, fan_out: int, adjust_lr: str) -> float:
     return 0.2 * math.sqrt(max(fan_in, fan_out))
 
 
+def _spec_table(param_specs: Any) -> dict[str, PartitionSpec]:
+    if param_specs is None:
+        return {}
+    leaves = jax.tree_util.tree_leaves_with_path(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return {path_str(p): s for p, s in leaves}
+
+
 class MuonState(NamedTuple):
     momentum: Any
+
+
+def _split_axis(spec: PartitionSpec | None, ndim: int, shard_axis: str) -> int:
+    """0 (row blocks) or 1 (column blocks): the matrix axis ``spec`` shards over ``shard_axis``."""
+    entries = list(spec or ()) + [None] * ndim
+    names = lambda e: e if isinstance(e, tuple) else (e,)  # noqa: E731
+    return 1 if shard_axis in names(entries[ndim - 1]) and shard_axis not in names(entries[ndim - 2]) else 0
 
 
 def orthogonalize(
@@ -79,22 +94,26 @@ def orthogonalize(
     *,
     mesh: Mesh | None,
     shard_axis: str,
+    specs: dict[str, PartitionSpec] | None = None,
     coeffs: Sequence[float],
     steps: int | jax.Array,
     eps: float,
     comm_dtype: jnp.dtype | None,
 ) -> Any:
     """NS of every matrix in ``tree`` (leaves [..., m, n]); distributed over ``shard_axis`` of ``mesh``."""
-    leaves, treedef = jax.tree.flatten(tree)
-    if not leaves:
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if not with_path:
         return tree
+    leaves = [x for _, x in with_path]
     N = 1 if mesh is None else mesh.shape[shard_axis]
-    shapes, counts = [], []
-    for x in leaves:
+    axes = [_split_axis((specs or {}).get(path_str(p)), x.ndim, shard_axis) for p, x in with_path]
+    shapes, counts, split = [], [], []
+    for x, ax in zip(leaves, axes, strict=True):
         batch = math.prod(x.shape[:-2])
         counts.append(batch)
         shapes += [x.shape[-2:]] * batch
-    plan = make_plan(shapes, N)
+        split += [ax] * batch
+    plan = make_plan(shapes, N, split)
     kw = dict(coeffs=coeffs, steps=steps, eps=eps, comm_dtype=comm_dtype)
 
     def local(*blocks_per_leaf):
@@ -112,11 +131,20 @@ def orthogonalize(
     if N == 1:
         out = local(*f32)
     else:
-        pads = [(-x.shape[-2]) % N for x in f32]
-        padded = [jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, p), (0, 0)]) for x, p in zip(f32, pads, strict=True)]
-        specs = tuple(PartitionSpec(*([None] * (x.ndim - 2)), shard_axis, None) for x in padded)
-        fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=False)
-        out = [y[..., : y.shape[-2] - p, :] for y, p in zip(fn(*padded), pads, strict=True)]
+        dims = [x.ndim - 2 + ax for x, ax in zip(f32, axes, strict=True)]
+        pads = [(-x.shape[d]) % N for x, d in zip(f32, dims, strict=True)]
+        padded = [
+            jnp.pad(x, [(0, p if i == d else 0) for i in range(x.ndim)])
+            for x, d, p in zip(f32, dims, pads, strict=True)
+        ]
+        in_specs = tuple(
+            PartitionSpec(*[shard_axis if i == d else None for i in range(x.ndim)])
+            for x, d in zip(padded, dims, strict=True)
+        )
+        fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=in_specs, check_vma=False)
+        out = [
+            jax.lax.slice_in_dim(y, 0, y.shape[d] - p, axis=d) for y, d, p in zip(fn(*padded), dims, pads, strict=True)
+        ]
     return jax.tree.unflatten(treedef, [y.astype(x.dtype) for y, x in zip(out, leaves, strict=True)])
 
 
@@ -130,9 +158,11 @@ def scale_by_muon(
     adjust_lr: str = "match_rms_adamw",
     mesh: Mesh | None = None,
     shard_axis: str = "fsdp",
+    param_specs: Any = None,
     comm_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
     """Momentum + Newton-Schulz + per-matrix scale (no learning rate, no weight decay)."""
+    specs = _spec_table(param_specs)
 
     def init_fn(params):
         return MuonState(jax.tree.map(jnp.zeros_like, params))
@@ -143,7 +173,14 @@ def scale_by_muon(
         # jnp.where keeps ``nesterov`` usable as a traced hyperparameter (optax.inject_hyperparams).
         u = jax.tree.map(lambda m, g: jnp.where(nesterov, (1 - beta) * g + beta * m, m), mom, updates)
         o = orthogonalize(
-            u, mesh=mesh, shard_axis=shard_axis, coeffs=ns_coeffs, steps=ns_steps, eps=eps, comm_dtype=comm_dtype
+            u,
+            mesh=mesh,
+            shard_axis=shard_axis,
+            specs=specs,
+            coeffs=ns_coeffs,
+            steps=ns_steps,
+            eps=eps,
+            comm_dtype=comm_dtype,
         )
         o = jax.tree.map(lambda x: x * lr_scale(x.shape[-2], x.shape[-1], adjust_lr), o)
         return o, MuonState(mom)
@@ -169,12 +206,14 @@ def muon(
     routing: Sequence[tuple[str, str]] = DEFAULT_ROUTING,
     mesh: Mesh | None = None,
     shard_axis: str = "fsdp",
+    param_specs: Any = None,
     comm_dtype: jnp.dtype | None = None,
 ) -> optax.GradientTransformation:
     """Muon (hidden matrices) + AdamW (the rest). Moonlight defaults: wd 0.1, AdamW (0.9, 0.95).
 
     ``adam_learning_rate`` / ``adam_weight_decay`` default to ``learning_rate`` / ``weight_decay``
-    (with 'match_rms_adamw' the two optimizers share one lr and wd). ``comm_dtype`` (e.g.
+    (with 'match_rms_adamw' the two optimizers share one lr and wd). ``param_specs``: the
+    parameters' PartitionSpecs (a matching pytree), which tell each matrix's split axis. ``comm_dtype`` (e.g.
     jnp.bfloat16) sets the all-to-all payload dtype; NS itself runs in float32.
     """
     if adjust_lr not in ADJUST_LR:
@@ -192,6 +231,7 @@ def muon(
             adjust_lr=adjust_lr,
             mesh=mesh,
             shard_axis=shard_axis,
+            param_specs=param_specs,
             comm_dtype=comm_dtype,
         ),
         optax.add_decayed_weights(weight_decay),

@@ -1,9 +1,10 @@
 """Newton-Schulz orthogonalisation and its distribution over a mesh axis by two all-to-alls.
 
 Every Muon matrix of every layer goes into one flat list. Each matrix gets an owner rank
-(greedy longest-processing-time on NS FLOPs). Ranks hold 1/N of the rows (the fan-in axis) of
-every matrix. All-to-all #1 sends every rank's row block of each matrix to its owner, owners
-run NS on whole matrices, all-to-all #2 returns each rank its row block of every result. The
+(greedy longest-processing-time on NS FLOPs). Ranks hold 1/N of every matrix: a block of rows
+or of columns, whichever axis the parameter is sharded on. All-to-all #1 sends every rank's
+block of each matrix to its owner, owners run NS on whole matrices, all-to-all #2 returns each
+rank its block of every result. The
 per-owner buffer layouts are static; the owner's work is selected with ``lax.switch`` on the
 axis index so all ranks run one SPMD program. N = 1 is the same code without collectives.
 """
@@ -50,13 +51,15 @@ def ns_flops(m: int, n: int) -> float:
 class Plan:
     """Static assignment of matrices to owner ranks and the all-to-all buffer layout.
 
-    shapes[i]: (rows, cols) of matrix i, rows padded to a multiple of N; owner[i]: its rank;
+    shapes[i]: (rows, cols) of matrix i, its split axis padded to a multiple of N; split[i]: 0 if
+    ranks hold row blocks, 1 if column blocks; owner[i]: its rank;
     offset[i]: start of its row block inside the owner's segment; segment: padded segment
     length S (elements) so every rank sends and receives an [N, S] buffer.
     """
 
     n_ranks: int
     shapes: tuple[tuple[int, int], ...]
+    split: tuple[int, ...]
     owner: tuple[int, ...]
     offset: tuple[int, ...]
     segment: int
@@ -72,9 +75,11 @@ class Plan:
         return out
 
 
-def make_plan(shapes: Sequence[tuple[int, int]], n_ranks: int) -> Plan:
+def make_plan(shapes: Sequence[tuple[int, int]], n_ranks: int, split: Sequence[int] | None = None) -> Plan:
     """Greedy LPT: matrices by decreasing NS FLOPs, each to the currently least-loaded rank."""
-    padded = tuple((math.ceil(m / n_ranks) * n_ranks, n) for m, n in shapes)
+    split = tuple(split) if split is not None else (0,) * len(shapes)
+    up = lambda d: math.ceil(d / n_ranks) * n_ranks  # noqa: E731
+    padded = tuple((up(m), n) if ax == 0 else (m, up(n)) for (m, n), ax in zip(shapes, split, strict=True))
     flops = tuple(ns_flops(m, n) for m, n in shapes)
     load = [0.0] * n_ranks
     owner = [0] * len(shapes)
@@ -86,8 +91,8 @@ def make_plan(shapes: Sequence[tuple[int, int]], n_ranks: int) -> Plan:
     used = [0] * n_ranks
     for i, (m, n) in enumerate(padded):
         offset[i] = used[owner[i]]
-        used[owner[i]] += (m // n_ranks) * n
-    return Plan(n_ranks, padded, tuple(owner), tuple(offset), max(used + [1]), flops)
+        used[owner[i]] += m * n // n_ranks
+    return Plan(n_ranks, padded, split, tuple(owner), tuple(offset), max([*used, 1]), flops)
 
 
 def distributed_newton_schulz(
@@ -102,7 +107,8 @@ def distributed_newton_schulz(
 ) -> list[Array]:
     """Orthogonalise matrices held as row blocks. Runs inside ``shard_map`` when N > 1.
 
-    blocks[i]: this rank's [rows_i / N, cols_i] block of matrix i (fp32). Returns the matching
+    blocks[i]: this rank's block of matrix i (fp32): [rows / N, cols] or [rows, cols / N] as
+    ``plan.split[i]`` says. Returns the matching
     blocks of NS(matrix i). With N == 1 the blocks are the whole matrices and no collective runs.
     """
     N, S = plan.n_ranks, plan.segment
@@ -136,21 +142,23 @@ def distributed_newton_schulz(
     def owner_branch(rank: int):
         def run(recv_NxS: Array) -> Array:
             mine = plan.matrices_of(rank)
-            groups: dict[tuple[int, int], list[int]] = {}
+            groups: dict[tuple[int, int, int], list[int]] = {}
             for i in mine:
-                groups.setdefault(plan.shapes[i], []).append(i)
+                groups.setdefault((*plan.shapes[i], plan.split[i]), []).append(i)
             out = jnp.zeros((N, S), f32)
-            for (m, n), idx in groups.items():
-                size = (m // N) * n
-                whole = jnp.stack(
-                    [
-                        jax.lax.dynamic_slice_in_dim(recv_NxS, plan.offset[i], size, axis=1).reshape(N * (m // N), n)
-                        for i in idx
-                    ]
-                )
+            for (m, n, ax), idx in groups.items():
+                size = m * n // N
+                pieces = [jax.lax.dynamic_slice_in_dim(recv_NxS, plan.offset[i], size, axis=1) for i in idx]
+                if ax == 0:  # row blocks in rank order
+                    whole = jnp.stack([p.reshape(m, n) for p in pieces])
+                else:  # column blocks in rank order
+                    whole = jnp.stack([p.reshape(N, m, n // N).transpose(1, 0, 2).reshape(m, n) for p in pieces])
                 result = newton_schulz(whole, coeffs, steps, eps)  # [len(idx), m, n]
                 for j, i in enumerate(idx):
-                    piece = result[j].reshape(N, size)
+                    r = result[j]
+                    piece = (
+                        r.reshape(N, size) if ax == 0 else r.reshape(m, N, n // N).transpose(1, 0, 2).reshape(N, size)
+                    )
                     out = jax.lax.dynamic_update_slice_in_dim(out, piece, plan.offset[i], axis=1)
             return out.astype(wire)
 

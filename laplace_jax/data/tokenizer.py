@@ -1,0 +1,88 @@
+"""Tokenizers: a byte-level one (no files) and any Hugging Face ``tokenizer.json``.
+
+Spec strings: ``"byte"`` or a path to a ``tokenizer.json`` (e.g. GPT-2's for the 3B config).
+The byte tokenizer maps UTF-8 bytes to ids 0..255 and uses id 0 (NUL, never in text) as EOS.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import numpy as np
+
+GPT2_HINT = (
+    "download GPT-2's tokenizer.json (Hugging Face repository 'openai-community/gpt2', file tokenizer.json) "
+    "on a machine with internet access and pass its local path"
+)
+
+
+class Tokenizer(Protocol):
+    spec: str
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens; EOS = 0."""
+
+    spec = "byte"
+    vocab_size = 256
+    eos_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.replace("\0", "").encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 < i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A ``tokenizers`` JSON tokenizer. EOS: ``eos_token`` if given, else a known end token."""
+
+    def __init__(self, path: str, eos_token: str | None = None):
+        from tokenizers import Tokenizer as _Tok
+
+        self.spec = os.path.abspath(path)
+        self._tok = _Tok.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size()
+        candidates = [eos_token] if eos_token else ["<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"]
+        ids = [self._tok.token_to_id(t) for t in candidates if t]
+        ids = [i for i in ids if i is not None]
+        if not ids:
+            raise ValueError(f"{path}: no EOS token found among {candidates}; pass eos_token")
+        self.eos_id = ids[0]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids))
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """``"byte"`` or a tokenizer.json path; a clear error says what to download when missing."""
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec in ("gpt2", "GPT-2") or not os.path.isfile(spec):
+        raise FileNotFoundError(f"tokenizer {spec!r} not found: {GPT2_HINT}")
+    return HFTokenizer(spec)
+
+
+def encode_batch(spec: str, texts: list[str]) -> list[np.ndarray]:
+    """Encode texts with the tokenizer ``spec`` (top-level so worker processes can run it)."""
+    tok = _cached(spec)
+    return [np.asarray(tok.encode(t), np.uint32) for t in texts]
+
+
+_CACHE: dict[str, Tokenizer] = {}
+
+
+def _cached(spec: str) -> Tokenizer:
+    if spec not in _CACHE:
+        _CACHE[spec] = load_tokenizer(spec)
+    return _CACHE[spec]
