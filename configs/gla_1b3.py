@@ -1,34 +1,21 @@
 """The public fla-hub GLA 1.3B shape (hidden 2048, 24 layers, 4 heads, Llama-2 32k vocabulary)."""
 
-from ml_collections import config_dict
+from laplace_jax.defaults import base_config
 
 
-def get_config() -> config_dict.ConfigDict:
-    c = config_dict.ConfigDict()
-    c.model = config_dict.ConfigDict(
-        dict(
-            vocab_size=32000,
-            d_model=2048,
-            n_layers=24,
-            n_heads=4,
-            n_kv_heads=config_dict.placeholder(int),
-            expand_k=0.5,
-            expand_v=1.0,
-            mlp_dim=config_dict.placeholder(int),
-            hidden_ratio=4.0,
-            use_short_conv=False,
-            conv_size=4,
-            norm_eps=1e-6,
-            gate_logit_normalizer=16.0,
-            gate_low_rank_dim=16,
-            clamp_min=config_dict.placeholder(float),
-            tie_embeddings=False,
-            init_std=0.02,
-            chunk_size=128,
-            attn_impl="chunk",
-            dtype="float32",
-            remat=False,
-            max_seq_len=2048,
-        )
+def get_config():
+    c = base_config()
+    c.model.update(
+        vocab_size=32000,
+        d_model=2048,
+        n_layers=24,
+        n_heads=4,
+        chunk_size=128,
+        max_seq_len=2048,
+        remat=True,
+        dtype="bfloat16",
     )
+    c.data.update(seq_len=2048, global_batch=256)
+    c.opt.update(lr=6e-4, warmup_steps=1000)
+    c.train.update(steps=190_735)  # 100e9 tokens
     return c

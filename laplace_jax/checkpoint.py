@@ -1,6 +1,12 @@
-"""Checkpoints (Orbax). A *model directory* holds ``config.json`` ({"model": ModelConfig fields})
-and ``params/`` (an Orbax PyTree checkpoint of float32 parameters); it is what
-``laplace_jax.convert`` writes and what inference code loads on one device.
+"""Checkpoints (Orbax); this module owns every read and write of model state.
+
+* A *model directory* holds ``config.json`` ({"model": ModelConfig fields}) and ``params/``
+  (float32 parameters): what ``laplace_jax.convert`` writes and inference loads on one device.
+* A *training workdir* holds ``checkpoints/<step>/`` written by ``TrainCheckpointer``: one
+  Orbax CheckpointManager (async, keep-N, interval) with three items: ``state`` (params,
+  optimizer state, step, counters), ``data`` (the grain iterator position) and ``config`` (the
+  full run config as JSON). Orbax finalises a step directory only when every item is written,
+  so an interrupted save is never restored.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ import json
 import os
 from typing import Any
 
+import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -57,3 +64,66 @@ def load_model(path: str, device: jax.Device | None = None) -> tuple[ModelConfig
     except (FileNotFoundError, ValueError) as e:
         raise CheckpointError(f"cannot restore {path}/params for the config in {path}/config.json: {e}") from e
     return cfg, params
+
+
+class TrainCheckpointer:
+    """Save / restore training state under ``workdir/checkpoints``."""
+
+    def __init__(self, workdir: str, keep: int = 3, every: int = 100):
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every, create=True)
+        self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "config"))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def saved_config(self, step: int) -> dict:
+        return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+
+    def save(self, step: int, state: Any, data_iter: Any, config: dict, force: bool = False) -> bool:
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=grain.checkpoint.CheckpointSave(data_iter),
+            config=ocp.args.JsonSave(config),
+        )
+        return self.manager.save(step, args=args, force=force)
+
+    def restore(self, step: int, abstract_state: Any, data_iter: Any) -> Any:
+        """State onto the shardings in ``abstract_state``; ``data_iter`` is moved to the saved position."""
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=grain.checkpoint.CheckpointRestore(data_iter)
+        )
+        return self.manager.restore(step, args=args)["state"]
+
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        """Only the parameters, onto the shardings in ``abstract_params`` (e.g. one device)."""
+        item = {"params": abstract_params}
+        args = ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+        )
+        return self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def load_trained(
+    workdir: str, step: int | None = None, device: jax.Device | None = None
+) -> tuple[dict, ModelConfig, Any]:
+    """(run config dict, ModelConfig, params on one device) from a train.py workdir (newest step by default)."""
+    ckpt = TrainCheckpointer(workdir)
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise CheckpointError(
+            f"no checkpoint in {workdir}; train one first: python train.py --config configs/tiny.py --workdir {workdir}"
+        )
+    run_cfg = ckpt.saved_config(step)
+    cfg = ModelConfig.from_mapping(run_cfg["model"])
+    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract_params(cfg))
+    params = ckpt.restore_params(step, target)
+    ckpt.close()
+    return run_cfg, cfg, params

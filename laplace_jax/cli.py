@@ -27,9 +27,12 @@ def run(main: Callable[[list[str]], None]) -> None:
     """``absl.app.run`` with readable errors for config typos and ``UserError``/``ConfigError``."""
     import logging
 
+    from absl import logging as absl_logging
+
     from laplace_jax.config import ConfigError
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # no "Unable to initialize backend 'tpu'"
+    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO; --verbosity=0 restores it
 
     def guarded(argv: list[str]) -> None:
         if "config" in flags.FLAGS:

@@ -59,7 +59,7 @@ class GLALM(nn.Module):
             dtype=dt,
             name="embeddings",
         )
-        x = embed(tokens_BxT)
+        x = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "act_embed"))
         block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
         stack = nn.scan(
             block,
@@ -80,6 +80,7 @@ class GLALM(nn.Module):
                 cfg.vocab_size, ("embed", "vocab"), dtype=dt, init_std=cfg.init_std, fp32_out=True, name="lm_head"
             )
             logits = head(x)
+        logits = nn.with_logical_constraint(logits, ("batch", "length", "act_vocab"))
         return logits.astype(jnp.float32), state
 
 

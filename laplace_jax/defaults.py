@@ -1,0 +1,93 @@
+"""The full config layout with defaults; every ``configs/*.py`` starts from ``base_config()``.
+
+model  ModelConfig fields (laplace_jax.config)
+data   path ('' = embedded stdlib corpus), seq_len, global_batch, eval settings, seed
+opt    optimizer, schedule, Muon/AdamW hyperparameters, clipping
+train  steps, accumulation, logging/eval/checkpoint intervals, non-finite policy
+mesh   data / fsdp axis sizes (-1: all remaining devices) and logical axis rules
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ml_collections import config_dict
+
+from laplace_jax.config import ModelConfig
+
+# Logical axis -> mesh axis. Flax assigns each mesh axis once per array, first rule first, so
+# every hidden matrix has exactly one of its two axes on "fsdp"; Muon reads which from the specs.
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "fsdp"),
+    ("mlp", "fsdp"),
+    ("vocab", "fsdp"),
+    ("layers", None),
+    ("length", None),
+    ("act_embed", None),
+    ("act_vocab", None),
+    ("norm", None),
+    ("rank", None),
+    ("conv", None),
+)
+
+
+def _model_block() -> config_dict.ConfigDict:
+    block = config_dict.ConfigDict()
+    for f in dataclasses.fields(ModelConfig):
+        value = f.default
+        if value is None:  # Optional fields stay overridable from the command line
+            value = config_dict.placeholder(float if f.name == "clamp_min" else int)
+        setattr(block, f.name, value)
+    return block
+
+
+def base_config() -> config_dict.ConfigDict:
+    c = config_dict.ConfigDict()
+    c.model = _model_block()
+    c.data = config_dict.ConfigDict(
+        dict(
+            path="",  # a directory written by laplace_jax.data.prepare; '' = embedded stdlib corpus
+            tokenizer="byte",  # for the embedded corpus; prepared data records its own tokenizer
+            seq_len=256,
+            global_batch=16,
+            seed=0,
+            eval_batches=4,
+            embedded_max_chars=3_000_000,
+        )
+    )
+    c.opt = config_dict.ConfigDict(
+        dict(
+            optimizer="muon",  # 'muon' (Muon + AdamW) or 'adamw'
+            lr=3e-3,
+            schedule="cosine",  # 'cosine' (warmup + cosine) or 'wsd' (warmup-stable-decay)
+            warmup_steps=20,
+            min_lr_ratio=0.1,
+            decay_fraction=0.2,  # wsd: final fraction of steps that decays linearly
+            weight_decay=0.1,
+            beta=0.95,
+            nesterov=True,
+            adjust_lr="match_rms_adamw",
+            b1=0.9,
+            b2=0.95,
+            eps=1e-8,
+            clip_norm=1.0,
+            comm_dtype="float32",  # Muon all-to-all payload: 'float32' or 'bfloat16'
+        )
+    )
+    c.train = config_dict.ConfigDict(
+        dict(
+            steps=300,
+            grad_accum=1,
+            log_every=10,
+            eval_every=100,
+            ckpt_every=100,
+            keep_checkpoints=3,
+            max_nonfinite=5,  # stop after this many non-finite steps in a row
+            peak_tflops=0.0,  # per-device peak for MFU; 0 = platform table (CPU: measured matmul)
+            device_memory_gib=0.0,  # per-device memory for the fit check; 0 = query the device
+        )
+    )
+    c.mesh = config_dict.ConfigDict(dict(data=1, fsdp=-1, rules=DEFAULT_RULES))
+    return c

@@ -1,0 +1,87 @@
+"""Backend facts: which platform JAX chose, per-device peak FLOP/s for MFU, device memory.
+
+The platform is whatever JAX picks (``JAX_PLATFORMS`` overrides). Neuron appears as platform
+"neuron" when the jax-neuronx PJRT plugin is installed; nothing here imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+# Dense bf16 peak per device (TFLOP/s), by a substring of device_kind; approximate vendor figures.
+_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L4": 121.0,
+    "TPU v4": 275.0,
+    "TPU v5 lite": 197.0,
+    "TPU v5p": 459.0,
+    "TPU v6": 918.0,
+    "Trainium2": 83.0,  # per NeuronCore-v3; a logical core (LNC=2) is two of them
+}
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
+    """Median wall time of ``fn()`` (outputs blocked on) over ``repeats`` runs after ``warmup``."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matmul_gflops(n: int = 2048, dtype=jnp.float32, repeats: int = 7) -> float:
+    """Measured throughput of one n x n x n matmul on the default device (GFLOP/s)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    f = jax.jit(jnp.matmul)
+    return 2 * n**3 / median_seconds(lambda: f(a, b), repeats) / 1e9
+
+
+def backend() -> str:
+    return jax.default_backend()
+
+
+def set_compile_cache(path: str) -> None:
+    """JAX persistent compilation cache (and Neuron's, on Neuron) under ``path``; call before compiling."""
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    os.environ.setdefault("NEURON_COMPILE_CACHE_URL", os.path.join(path, "neuron"))
+
+
+def peak_flops_per_device(override_tflops: float = 0.0) -> tuple[float, str]:
+    """(FLOP/s, where the figure came from). CPU: an fp32 matmul measured now, split over devices."""
+    if override_tflops > 0:
+        return override_tflops * 1e12, "config train.peak_tflops"
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return matmul_gflops(1024) * 1e9 / len(jax.devices()), "measured fp32 matmul on this CPU"
+    for key, tflops in _PEAK_TFLOPS.items():
+        if key.lower() in dev.device_kind.lower():
+            return tflops * 1e12, f"bf16 dense peak of {key}"
+    return 0.0, f"unknown device kind {dev.device_kind!r} (set train.peak_tflops)"
+
+
+def device_memory_bytes(override_gib: float = 0.0) -> int:
+    """Memory of one device: config override, the device's own limit, or host RAM / devices on CPU."""
+    if override_gib > 0:
+        return int(override_gib * 2**30)
+    dev = jax.local_devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    import psutil
+
+    return int(psutil.virtual_memory().total // jax.local_device_count())

@@ -1,0 +1,61 @@
+"""Device mesh and shardings from the config: logical axis rules live in config, not in the model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from laplace_jax.cli import UserError
+from laplace_jax.config import ModelConfig
+from laplace_jax.models.gla_lm import param_logical_axes
+
+AXES = ("data", "fsdp")
+
+
+def make_mesh(mesh_cfg: Any, devices: list[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp) mesh over ``devices`` (default: all); -1 takes the remaining devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    data, fsdp = int(mesh_cfg.data), int(mesh_cfg.fsdp)
+    if data == -1 and fsdp == -1:
+        raise UserError("mesh.data and mesh.fsdp cannot both be -1")
+    if data == -1:
+        data = n // fsdp if fsdp > 0 and n % fsdp == 0 else 0
+    if fsdp == -1:
+        fsdp = n // data if data > 0 and n % data == 0 else 0
+    if data <= 0 or fsdp <= 0 or data * fsdp != n:
+        raise UserError(
+            f"mesh data={mesh_cfg.data} x fsdp={mesh_cfg.fsdp} does not fit the {n} available device(s) "
+            f"({devices[0].platform}); set --config.mesh.fsdp / --config.mesh.data so their product is {n}, "
+            "or use --plan to compile for a larger machine on fake CPU devices"
+        )
+    grid = np.asarray(devices, dtype=object).reshape(data, fsdp)
+    return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def rules(cfg: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple((name, tuple(ax) if isinstance(ax, list) else ax) for name, ax in cfg.mesh.rules)
+
+
+def param_specs(model: ModelConfig, rule_set: tuple) -> Any:
+    """PartitionSpecs (mesh axes) for every parameter."""
+    return nn.logical_to_mesh(param_logical_axes(model), rule_set)
+
+
+def param_shardings(model: ModelConfig, mesh: Mesh, rule_set: tuple) -> Any:
+    specs = param_specs(model, rule_set)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batches [B, ...] split over every device (data x fsdp)."""
+    return NamedSharding(mesh, P(AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

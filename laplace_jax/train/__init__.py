@@ -1,0 +1,1 @@
+"""Training: optimizer and schedule, the jitted step, checkpoints, and the run loop."""
