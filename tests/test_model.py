@@ -178,3 +178,24 @@ def test_torch_reference_param_count_matches():
 
     n_torch = sum(p.numel() for p in GLAForCausalLM(c).parameters())
     assert n_torch == analytic_param_count(config_from_fla(c))
+
+
+def test_padded_prefill_chunks_are_state_neutral():
+    """Fixed-size chunks with a padded tail give the state and logits of the exact prompt."""
+    cfg = ModelConfig(
+        vocab_size=61, d_model=64, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1
+    )
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 45), 0, cfg.vocab_size)
+    want_logits, want = prefill(cfg, params, tokens[:, :37])
+    P = 16
+    state = None
+    for start in range(0, 48, P):
+        chunk = (
+            jnp.zeros((2, P), jnp.int32).at[:, : max(0, min(P, 37 - start))].set(tokens[:, start : min(start + P, 37)])
+        )
+        n = jnp.full((2,), max(0, min(P, 37 - start)), jnp.int32)
+        logits, state = prefill(cfg, params, chunk, state, n)
+    np.testing.assert_allclose(logits[:, 37 - 32 - 1], want_logits[:, -1], atol=1e-5)
+    for key in want:
+        np.testing.assert_allclose(state[key], want[key], atol=1e-5)

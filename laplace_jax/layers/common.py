@@ -87,7 +87,8 @@ class ShortConv(nn.Module):
     """Depthwise causal convolution of width W followed by SiLU (fla ``ShortConvolution``).
 
     kernel: [W, D]; kernel[W - 1] multiplies the current token. ``cache``: [B, W, D], the last W
-    raw inputs, newest last (zeros for a fresh sequence). Returns (y [B, T, D], new cache).
+    raw inputs, newest last (zeros for a fresh sequence). ``lengths_B``: only the first lengths[b]
+    inputs of row b are real (the new cache ends at the last real one). Returns (y, new cache).
     """
 
     width: int
@@ -95,7 +96,9 @@ class ShortConv(nn.Module):
     init_std: float = 0.02
 
     @nn.compact
-    def __call__(self, x_BxTxD: Array, cache_BxWxD: Array | None) -> tuple[Array, Array]:
+    def __call__(
+        self, x_BxTxD: Array, cache_BxWxD: Array | None, lengths_B: Array | None = None
+    ) -> tuple[Array, Array]:
         B, T, D = x_BxTxD.shape
         W = self.width
         kernel = self.param("kernel", normal_init(self.init_std, ("conv", "heads")), (W, D), jnp.float32)
@@ -104,7 +107,11 @@ class ShortConv(nn.Module):
         full = jnp.concatenate([cache_BxWxD.astype(self.dtype), x_BxTxD.astype(self.dtype)], axis=1)  # [B, W+T, D]
         k = kernel.astype(self.dtype)
         y = sum(full[:, 1 + w : 1 + w + T] * k[w] for w in range(W))
-        return jax.nn.silu(y), full[:, -W:]
+        if lengths_B is None:
+            return jax.nn.silu(y), full[:, -W:]
+        # Only the first lengths[b] inputs are real: the cache is the W inputs ending there.
+        cache = jax.vmap(lambda f, n: jax.lax.dynamic_slice_in_dim(f, n, W, axis=0))(full, lengths_B)
+        return jax.nn.silu(y), cache
 
 
 class SwiGLU(nn.Module):

@@ -22,12 +22,16 @@ class GatedLinearAttention(nn.Module):
     ``state`` is None for training (zero initial state, nothing returned) or a dict with
     ``gla`` [B, H, dk, dv] fp32 and, with short conv, ``conv_q`` / ``conv_k`` / ``conv_v``
     [B, W, channels]; the updated dict is returned. T == 1 with a state takes the recurrent step.
+    ``lengths_B`` (with a state): positions t >= lengths[b] are padding and leave the state as it
+    was (k = v = 0, log-decay 0; the conv cache keeps the last W valid inputs).
     """
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxD: Array, state: LayerState | None) -> tuple[Array, LayerState | None]:
+    def __call__(
+        self, x_BxTxD: Array, state: LayerState | None, lengths_B: Array | None = None
+    ) -> tuple[Array, LayerState | None]:
         cfg = self.cfg
         dt = cfg.compute_dtype
         B, T, _ = x_BxTxD.shape
@@ -39,9 +43,10 @@ class GatedLinearAttention(nn.Module):
         new_state: LayerState = {}
         if cfg.use_short_conv:
             conv = functools.partial(ShortConv, cfg.conv_size, dtype=dt, init_std=cfg.init_std)
-            q, new_state["conv_q"] = conv(name="q_conv1d")(q, None if state is None else state["conv_q"])
-            k, new_state["conv_k"] = conv(name="k_conv1d")(k, None if state is None else state["conv_k"])
-            v, new_state["conv_v"] = conv(name="v_conv1d")(v, None if state is None else state["conv_v"])
+            cache = (lambda key: None) if state is None else state.get
+            q, new_state["conv_q"] = conv(name="q_conv1d")(q, cache("conv_q"), lengths_B)
+            k, new_state["conv_k"] = conv(name="k_conv1d")(k, cache("conv_k"), lengths_B)
+            v, new_state["conv_v"] = conv(name="v_conv1d")(v, cache("conv_v"), lengths_B)
         gk = lin(cfg.gate_low_rank_dim, ("embed", "rank"), name="gk_proj_0")(x_BxTxD)
         gk = lin(cfg.key_dim // G, ("rank", "heads"), use_bias=True, fp32_out=True, name="gk_proj_1")(gk)
 
@@ -52,6 +57,9 @@ class GatedLinearAttention(nn.Module):
         gk = jax.nn.log_sigmoid(gk.astype(jnp.float32)) / cfg.gate_logit_normalizer
         if cfg.clamp_min is not None:
             gk = jnp.maximum(gk, cfg.clamp_min)
+        if lengths_B is not None:
+            valid = (jnp.arange(T)[None, :] < lengths_B[:, None])[:, :, None, None]
+            k, v, gk = (jnp.where(valid, a, 0) for a in (k, v, gk))
 
         s0 = None if state is None else state["gla"]
         if s0 is not None and T == 1:

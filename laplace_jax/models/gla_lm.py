@@ -31,15 +31,17 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxD: Array, state: dict | None) -> tuple[Array, dict | None]:
+    def __call__(self, carry: tuple[Array, Array | None], state: dict | None) -> tuple[tuple, dict | None]:
+        x_BxTxD, lengths_B = carry
         cfg = self.cfg
         dt = cfg.compute_dtype
         x_BxTxD = nn.with_logical_constraint(x_BxTxD, ("batch", "length", "act_embed"))
-        h, state = GatedLinearAttention(cfg, name="attn")(RMSNorm(cfg.norm_eps, dt, name="attn_norm")(x_BxTxD), state)
+        attn = GatedLinearAttention(cfg, name="attn")
+        h, state = attn(RMSNorm(cfg.norm_eps, dt, name="attn_norm")(x_BxTxD), state, lengths_B)
         x_BxTxD = x_BxTxD + h
         mlp = SwiGLU(cfg.intermediate_size, dtype=dt, init_std=cfg.init_std, name="mlp")
         x_BxTxD = x_BxTxD + mlp(RMSNorm(cfg.norm_eps, dt, name="mlp_norm")(x_BxTxD))
-        return x_BxTxD, state
+        return (x_BxTxD, lengths_B), state
 
 
 class GLALM(nn.Module):
@@ -48,7 +50,9 @@ class GLALM(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BxT: Array, state: State | None) -> tuple[Array, State | None]:
+    def __call__(
+        self, tokens_BxT: Array, state: State | None, lengths_B: Array | None = None
+    ) -> tuple[Array, State | None]:
         cfg = self.cfg
         dt = cfg.compute_dtype
         embed = nn.Embed(
@@ -70,7 +74,7 @@ class GLALM(nn.Module):
             length=cfg.n_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x, state = stack(cfg, name="layers")(x, state)
+        (x, _), state = stack(cfg, name="layers")((x, lengths_B), state)
         x = RMSNorm(cfg.norm_eps, dt, name="norm")(x)
         if cfg.tie_embeddings:
             table = embed.embedding.astype(dt)
@@ -143,13 +147,19 @@ def forward(cfg: ModelConfig, params: Params, tokens_BxT: Array) -> Array:
     return logits
 
 
-def prefill(cfg: ModelConfig, params: Params, tokens_BxT: Array, state: State | None = None) -> tuple[Array, State]:
-    """Run a prompt (optionally continuing ``state``): (logits [B, T, V], state after the prompt)."""
+def prefill(
+    cfg: ModelConfig, params: Params, tokens_BxT: Array, state: State | None = None, lengths_B: Array | None = None
+) -> tuple[Array, State]:
+    """Run a prompt (optionally continuing ``state``): (logits [B, T, V], state after the prompt).
+
+    ``lengths_B``: row b holds lengths[b] real tokens followed by padding that leaves the state
+    untouched (fixed-size prefill chunks); its last real logits are logits[b, lengths[b] - 1].
+    """
     _check_tokens(tokens_BxT, 2, "tokens")
     if state is None:
         state = init_state(cfg, tokens_BxT.shape[0])
     _check_state(cfg, state, tokens_BxT.shape[0])
-    return GLALM(cfg).apply({"params": params}, tokens_BxT, state)
+    return GLALM(cfg).apply({"params": params}, tokens_BxT, state, lengths_B)
 
 
 def decode_step(cfg: ModelConfig, params: Params, token_B: Array, state: State) -> tuple[Array, State]:
