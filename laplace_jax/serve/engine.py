@@ -54,6 +54,7 @@ class Request:
     id: str = ""
     cancelled: bool = False
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    started_at: float | None = None
     first_token_at: float | None = None
     generated: int = 0
 
@@ -316,6 +317,7 @@ class Engine:
             if req.cancelled:
                 req.emit([], "abort")
                 continue
+            req.started_at = time.perf_counter()
             state = init_state(self.cfg, 1)
             ids = req.prompt_ids
             for start in range(0, len(ids), self.P):

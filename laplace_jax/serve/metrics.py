@@ -1,0 +1,62 @@
+"""Prometheus metrics in vLLM's naming style (prefix ``laplace:``), one registry per server."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "laplace:"
+        self.running = Gauge(p + "num_requests_running", "Requests in decode slots", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests in the admission queue", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prefilled prompt tokens", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens_total", "Generated tokens", registry=r)
+        self.finished = Counter(p + "request_success_total", "Finished requests", ["finished_reason"], registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token", buckets=_LAT, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Decode seconds per token", buckets=_LAT, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish", buckets=_LAT, registry=r)
+        self.queue = Histogram(p + "request_queue_time_seconds", "Arrival to prefill start", buckets=_LAT, registry=r)
+        self.decode_steps = Counter(p + "decode_steps_total", "Decode steps by bucket width", ["bucket"], registry=r)
+        self.padding = Counter(p + "decode_padding_rows_total", "Idle rows computed by bucket", ["bucket"], registry=r)
+        self.step_seconds = Histogram(
+            p + "decode_step_seconds", "Seconds per decode call by bucket", ["bucket"], buckets=_LAT, registry=r
+        )
+        self.compiles = Counter(p + "compiles_total", "XLA compilations", ["function", "bucket", "phase"], registry=r)
+        self.compile_seconds = Counter(p + "compile_seconds_total", "Seconds spent compiling", ["phase"], registry=r)
+        self.cache_hits = Counter(p + "compile_cache_hits_total", "Persistent compile cache hits", registry=r)
+        self.cache_misses = Counter(p + "compile_cache_misses_total", "Persistent compile cache misses", registry=r)
+        jax.monitoring.register_event_listener(self._on_event)
+
+    def _on_event(self, event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            self.cache_hits.inc()
+        elif event == "/jax/compilation_cache/cache_misses":
+            self.cache_misses.inc()
+
+    # Engine callbacks (engine thread).
+    def on_compile(self, name: str, width: int, phase: str, seconds: float) -> None:
+        self.compiles.labels(name, str(width), phase).inc()
+        self.compile_seconds.labels(phase).inc(seconds)
+
+    def on_first_token(self, req) -> None:
+        self.ttft.observe(req.first_token_at - req.arrival)
+        self.queue.observe(req.started_at - req.arrival)
+        self.prompt_tokens.inc(len(req.prompt_ids))
+
+    def on_decode(self, width: int, live: int, seconds: float, steps: int) -> None:
+        self.decode_steps.labels(str(width)).inc(steps)
+        self.padding.labels(str(width)).inc((width - live) * steps)
+        self.step_seconds.labels(str(width)).observe(seconds)
+        self.itl.observe(seconds / steps)
+
+    def on_finish(self, req, reason: str, generated: int) -> None:
+        self.finished.labels(reason).inc()
+        self.generation_tokens.inc(generated)
+        self.e2e.observe(time.perf_counter() - req.arrival)

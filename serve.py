@@ -1,0 +1,94 @@
+"""Serve a GLA model with an OpenAI-compatible API (fixed per-sequence state, bucketed decode widths).
+
+    python serve.py                                   # newest train.py run under runs/
+    python serve.py --checkpoint runs/tiny --port 8000 --max-num-seqs 16
+    python serve.py --checkpoint out/gla-1.3B --tokenizer llama/tokenizer.json
+
+Every executable (prefill chunk, insert, one decode loop per bucket width, row move) is compiled
+before /health reports ready; with --compile-cache-dir a restart compiles nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python serve.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--checkpoint", default=None, help="train.py workdir or model directory (default: newest in runs/)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer spec for model directories ('byte' or tokenizer.json)")
+    ap.add_argument("--model-name", default=None, help="model id clients send (default: directory name)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="decode slots (sequences decoded together)")
+    ap.add_argument(
+        "--decode-buckets",
+        default="pow2",
+        help="'pow2' (1, 2, 4, ... and max-num-seqs), 'exact' (compile each width on demand), or '1,4,8'",
+    )
+    ap.add_argument("--prefill-chunk", type=int, default=64, help="tokens per prefill call (one executable)")
+    ap.add_argument("--steps-per-call", type=int, default=4, help="decode tokens per device dispatch")
+    ap.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: model's)")
+    ap.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    ap.add_argument("--compile-cache-dir", default=None, help="persistent compile cache (JAX; Neuron's on Neuron)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="default sampling temperature")
+    ap.add_argument("--top-p", type=float, default=1.0, help="default top-p")
+    ap.add_argument("--max-tokens", type=int, default=16, help="default max_tokens")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    if a.compile_cache_dir:
+        from laplace_jax.platform import set_compile_cache
+
+        set_compile_cache(a.compile_cache_dir)
+    import uvicorn
+
+    from laplace_jax.cli import UserError
+    from laplace_jax.serve.engine import Engine, SamplingParams
+    from laplace_jax.serve.loading import load_for_serving, newest_workdir
+    from laplace_jax.serve.metrics import ServeMetrics
+    from laplace_jax.serve.server import Server
+
+    try:
+        path = a.checkpoint or newest_workdir()
+        cfg, params, tok, name = load_for_serving(path, a.tokenizer)
+        buckets = a.decode_buckets if a.decode_buckets in ("pow2", "exact") else a.decode_buckets.split(",")
+        engine = Engine(
+            cfg,
+            params,
+            eos_id=tok.eos_id,
+            max_num_seqs=a.max_num_seqs,
+            buckets=buckets,
+            prefill_chunk=a.prefill_chunk,
+            steps_per_call=a.steps_per_call,
+            max_model_len=a.max_model_len or cfg.max_seq_len,
+            max_queue=a.max_queue,
+            metrics=ServeMetrics(),
+        )
+    except (UserError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    server = Server(
+        engine,
+        tok,
+        a.model_name or name,
+        SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p),
+    )
+    print(f"serving {path} as {server.model_name!r} on http://{a.host}:{a.port}")
+    print(
+        f"  state per sequence {engine.state_bytes:,} B x {engine.S} slots = {engine.state_bytes * engine.S:,} B "
+        f"reserved; decode buckets {engine.buckets or 'exact (compiled on demand)'}; prefill chunk {engine.P}"
+    )
+    uvicorn.run(server.app, host=a.host, port=a.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""The HTTP server on a loopback port: openai client, staggered load, disconnects, 429, errors, warm restart."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import openai
+import portpicker
+import pytest
+import uvicorn
+
+from laplace_jax import ModelConfig, decode_step, init_params, init_state
+from laplace_jax.data.tokenizer import ByteTokenizer
+from laplace_jax.serve.engine import Engine
+from laplace_jax.serve.metrics import ServeMetrics
+from laplace_jax.serve.server import Server
+
+CFG = ModelConfig(
+    vocab_size=256, d_model=64, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.3, max_seq_len=512
+)
+PARAMS = init_params(CFG, jax.random.key(0))
+TOK = ByteTokenizer()
+
+
+def reference_greedy(ids, n):
+    """The model's own recurrent path: decode_step over the prompt, then argmax until EOS or n tokens."""
+    step = jax.jit(decode_step, static_argnums=0)
+    state = init_state(CFG, 1)
+    for t in ids:
+        logits, state = step(CFG, PARAMS, jnp.asarray([t]), state)
+    out = []
+    for _ in range(n):
+        t = int(jnp.argmax(logits[0]))
+        if t == TOK.eos_id:
+            break
+        out.append(t)
+        logits, state = step(CFG, PARAMS, jnp.asarray([t]), state)
+    return out
+
+
+class Running:
+    def __init__(self, **engine_kw):
+        self.engine = Engine(CFG, PARAMS, eos_id=TOK.eos_id, metrics=ServeMetrics(), max_model_len=512, **engine_kw)
+        self.server = Server(self.engine, TOK, "tiny")
+        self.port = portpicker.pick_unused_port()
+        self.uv = uvicorn.Server(uvicorn.Config(self.server.app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not become ready")
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def close(self):
+        self.uv.should_exit = True
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = Running(max_num_seqs=4, prefill_chunk=16, steps_per_call=4, max_queue=100)
+    yield s
+    s.close()
+
+
+def test_completions_stream_and_chat(srv):
+    c = srv.client()
+    prompt = "Return the number of items"
+    want = TOK.decode(reference_greedy(TOK.encode(prompt), 24))
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    assert r.choices[0].text == want
+    assert r.usage.prompt_tokens == len(prompt) and r.choices[0].finish_reason in ("length", "stop")
+    chunks = list(
+        c.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    chat = c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason in ("stop", "length")
+    assert [m.id for m in c.models.list().data] == ["tiny"]
+
+
+def test_forty_staggered_requests(srv):
+    rng = np.random.default_rng(0)
+    jobs = []
+    for _ in range(40):
+        ids = rng.integers(1, 256, int(rng.integers(1, 60))).tolist()
+        jobs.append((ids, int(rng.integers(1, 30))))
+    results = [None] * 40
+
+    def go(i):
+        ids, n = jobs[i]
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            timeout=300,
+            json={"model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0},
+        )
+        results[i] = r.json()
+
+    threads = []
+    for i in range(40):
+        threads.append(threading.Thread(target=go, args=(i,)))
+        threads[-1].start()
+        time.sleep(float(rng.exponential(0.03)))
+    for t in threads:
+        t.join(300)
+    for i, (ids, n) in enumerate(jobs):
+        assert results[i]["choices"][0]["text"] == TOK.decode(reference_greedy(ids, n)), i
+    compiles = srv.engine.compiles
+    assert sum(v for (_, _, phase), v in compiles.items() if phase == "serving") == 0
+    used = {
+        int(line.split('bucket="')[1].split('"')[0])
+        for line in httpx.get(srv.url + "/metrics").text.splitlines()
+        if line.startswith("laplace:decode_steps_total{")
+    }
+    assert used <= {w for (name, w, _) in compiles if name == "decode"}
+
+
+def test_disconnect_frees_slot(srv):
+    with httpx.stream(
+        "POST",
+        srv.url + "/v1/completions",
+        timeout=60,
+        json={
+            "model": "tiny",
+            "prompt": "abc",
+            "max_tokens": 400,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        },
+    ) as r:
+        for _ in zip(range(3), r.iter_lines(), strict=False):
+            pass
+    deadline = time.time() + 10
+    while time.time() < deadline and srv.engine.counts()[0]:
+        time.sleep(0.05)
+    assert srv.engine.counts() == (0, 0)
+    assert "laplace:num_requests_running 0.0" in httpx.get(srv.url + "/metrics").text
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"model": "tiny", "prompt": "x", "bogus": 1}, 400, "bogus"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": "nope", "prompt": "x"}, 404, "model"),
+        ({"model": "tiny", "prompt": "x" * 600, "max_tokens": 4}, 400, "prompt"),
+        ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ],
+)
+def test_bad_requests_get_openai_errors(srv, body, status, param):
+    r = httpx.post(srv.url + "/v1/completions", json=body)
+    assert r.status_code == status
+    assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+    assert (
+        httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2}).status_code
+        == 200
+    )
+
+
+def test_malformed_json(srv):
+    r = httpx.post(srv.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_queue_overflow_gives_429():
+    s = Running(max_num_seqs=1, prefill_chunk=16, steps_per_call=1, max_queue=1, buckets=[1])
+    try:
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 500, "ignore_eos": True}
+        codes = []
+        threads = [
+            threading.Thread(target=lambda: codes.append(httpx.post(s.url + "/v1/completions", json=body, timeout=120)))
+            for _ in range(4)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        statuses = sorted(r.status_code for r in codes)
+        assert 429 in statuses and 200 in statuses
+        r429 = next(r for r in codes if r.status_code == 429)
+        assert r429.headers["retry-after"] == "1" and r429.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        s.close()
+
+
+WARM = """
+import json, sys, jax
+from laplace_jax.platform import set_compile_cache
+set_compile_cache(sys.argv[1])
+from laplace_jax import ModelConfig, init_params
+from laplace_jax.serve.engine import Engine
+from laplace_jax.serve.metrics import ServeMetrics
+cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16)
+m = ServeMetrics()
+e = Engine(cfg, init_params(cfg, jax.random.key(0)), eos_id=0, max_num_seqs=4, prefill_chunk=16, metrics=m)
+e.warmup()
+print(json.dumps({"hits": m.cache_hits._value.get(), "misses": m.cache_misses._value.get()}))
+"""
+
+
+@pytest.mark.slow
+def test_warm_compile_cache_restart_compiles_nothing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    runs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", WARM, str(tmp_path)], capture_output=True, text=True, env=env, check=True
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+        for _ in range(2)
+    ]
+    assert runs[0]["misses"] >= 6
+    assert runs[1]["misses"] == 0 and runs[1]["hits"] >= 6
