@@ -14,13 +14,12 @@ import numpy as np
 import openai
 import portpicker
 import pytest
-import uvicorn
 
 from laplace_jax import ModelConfig, decode_step, init_params, init_state
 from laplace_jax.data.tokenizer import ByteTokenizer
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.metrics import ServeMetrics
-from laplace_jax.serve.server import Server
+from laplace_jax.serve.server import BackgroundServer, Server
 
 CFG = ModelConfig(
     vocab_size=256, d_model=64, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.3, max_seq_len=512
@@ -45,31 +44,13 @@ def reference_greedy(ids, n):
     return out
 
 
-class Running:
+class Running(BackgroundServer):
     def __init__(self, **engine_kw):
         self.engine = Engine(CFG, PARAMS, eos_id=TOK.eos_id, metrics=ServeMetrics(), max_model_len=512, **engine_kw)
-        self.server = Server(self.engine, TOK, "tiny")
-        self.port = portpicker.pick_unused_port()
-        self.uv = uvicorn.Server(uvicorn.Config(self.server.app, host="127.0.0.1", port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server did not become ready")
+        super().__init__(Server(self.engine, TOK, "tiny"), portpicker.pick_unused_port())
 
     def client(self):
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-
-    def close(self):
-        self.uv.should_exit = True
-        self.thread.join(60)
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +221,32 @@ def test_warm_compile_cache_restart_compiles_nothing(tmp_path):
     ]
     assert runs[0]["misses"] >= 6
     assert runs[1]["misses"] == 0 and runs[1]["hits"] >= 6
+
+
+def test_bench_tool_against_the_server(srv, tmp_path):
+    from laplace_jax.serve.bench import main
+
+    out = tmp_path / "b.json"
+    rc = main(
+        [
+            "--base-url",
+            srv.url,
+            "--model",
+            "tiny",
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "20",
+            "--output-len",
+            "12",
+            "--request-rate",
+            "50",
+            "--max-concurrency",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["completed"] == 8 and res["failed"] == 0
+    assert res["output_throughput"] > 0 and res["tpot_s"]["p99"] >= res["tpot_s"]["median"] > 0

@@ -341,3 +341,30 @@ class Server:
             return await self._respond(request, body, ids, sp, True)
 
         return app
+
+
+class BackgroundServer:
+    """Run a ``Server`` with uvicorn in a thread on a loopback port (tests, benchmarks, notebooks)."""
+
+    def __init__(self, server: Server, port: int, host: str = "127.0.0.1", ready_timeout: float = 600.0):
+        import httpx
+        import uvicorn
+
+        self.server, self.url = server, f"http://{host}:{port}"
+        self.uv = uvicorn.Server(uvicorn.Config(server.app, host=host, port=port, log_level="error"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        t0 = time.perf_counter()
+        self.thread.start()
+        while time.perf_counter() - t0 < ready_timeout:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health").status_code == 200:
+                    self.ready_seconds = time.perf_counter() - t0
+                    return
+            if server.engine.dead:
+                raise RuntimeError(server.engine.dead)
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready after {ready_timeout} s ({server.warm_progress})")
+
+    def close(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(60)

@@ -1,0 +1,210 @@
+"""Serving benchmarks on this machine: throughput and TPOT vs concurrency, context-length
+flatness, compile share with buckets vs exact widths, cold vs warm time to ready.
+
+    python -m benchmarks.bench_serve [--configs tiny small_100m] [--quick] --out benchmarks/results/serve_cpu.json
+
+Models have random weights (throughput does not depend on them); requests use random token ids
+with ignore_eos so every request produces exactly output_len tokens. Each server runs in this
+process on a loopback port; the load comes from laplace_jax.serve.bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import jax
+import portpicker
+
+from laplace_jax.checkpoint import save_model
+from laplace_jax.config import load_config_file, model_config
+from laplace_jax.data.tokenizer import ByteTokenizer
+from laplace_jax.models.gla_lm import init_params
+from laplace_jax.serve import bench
+from laplace_jax.serve.engine import Engine
+from laplace_jax.serve.metrics import ServeMetrics
+from laplace_jax.serve.server import BackgroundServer, Server
+
+
+def start(cfg, params, **kw) -> BackgroundServer:
+    engine = Engine(cfg, params, eos_id=0, metrics=ServeMetrics(), **kw)
+    return BackgroundServer(Server(engine, ByteTokenizer(), "m"), portpicker.pick_unused_port())
+
+
+def load(srv: BackgroundServer, **kw) -> dict:
+    args = bench.parse(
+        ["--base-url", srv.url, "--model", "m"] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+    )
+    return asyncio.run(bench.run(args))
+
+
+def metric_sum(srv: BackgroundServer, name: str, label: str = "") -> float:
+    total = 0.0
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        if line.startswith(name) and label in line and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def concurrency_sweep(cfg, params, levels, out_len) -> dict:
+    srv = start(cfg, params, max_num_seqs=max(levels), prefill_chunk=128, steps_per_call=8, max_model_len=4096)
+    res = {}
+    for c in levels:
+        r = load(srv, num_prompts=max(8, 2 * c), input_len=128, output_len=out_len, max_concurrency=c)
+        res[c] = {k: r[k] for k in ("output_throughput", "tpot_s", "ttft_s", "completed", "failed")}
+        print(
+            f"  concurrency {c:>3}: {r['output_throughput']:8.1f} out tok/s, TPOT p50 "
+            f"{1e3 * r['tpot_s']['median']:.1f} ms p99 {1e3 * r['tpot_s']['p99']:.1f} ms"
+        )
+    srv.close()
+    return res
+
+
+def context_flatness(cfg, params, out_len) -> dict:
+    srv = start(cfg, params, max_num_seqs=1, prefill_chunk=512, steps_per_call=8, max_model_len=8192 + out_len)
+    res = {}
+    for n in (128, 2048, 8192):
+        r = load(srv, num_prompts=3, input_len=n, output_len=out_len, max_concurrency=1)
+        res[n] = {
+            "tpot_median_s": r["tpot_s"]["median"],
+            "e2el_median_s": r["e2el_s"]["median"],
+            "cost_per_output_token_s": r["e2el_s"]["median"] / out_len,
+        }
+        print(
+            f"  prompt {n:>5}: TPOT p50 {1e3 * r['tpot_s']['median']:.2f} ms, cost/output token "
+            f"{1e3 * res[n]['cost_per_output_token_s']:.2f} ms (incl. prefill)"
+        )
+    res["tpot_ratio_8192_vs_128"] = res[8192]["tpot_median_s"] / res[128]["tpot_median_s"]
+    res["tpot_ratio_8192_vs_2048"] = res[8192]["tpot_median_s"] / res[2048]["tpot_median_s"]
+    res["cost_ratio_8192_vs_2048"] = res[8192]["cost_per_output_token_s"] / res[2048]["cost_per_output_token_s"]
+    srv.close()
+    return res
+
+
+def decode_step_vs_context(cfg, params, width=4, repeats=30) -> dict:
+    """Median time of one compiled decode call (steps_per_call tokens, ``width`` rows) after prompts
+    of 128 vs 8,192 tokens: the state has the same size, so the time should not move."""
+    import numpy as np
+
+    from laplace_jax.platform import median_seconds
+    from laplace_jax.serve.engine import Request, SamplingParams
+
+    out = {}
+    for n in (128, 8192):
+        eng = Engine(cfg, params, eos_id=0, max_num_seqs=width, buckets=[width], prefill_chunk=512, steps_per_call=8,
+                     max_model_len=n + 10_000)
+        eng.warmup()
+        for _ in range(width):
+            ids = np.random.default_rng(n).integers(1, 256, n).tolist()
+            eng.submit(Request(ids, SamplingParams(max_tokens=10_000, ignore_eos=True), lambda *_: None))
+        eng._admit()  # prefill every prompt into the slots (host thread, no server)
+        ex = eng._get("decode", width)
+        holder = {"slots": eng.slots}
+
+        def call(ex=ex, holder=holder, eng=eng):
+            holder["slots"], toks, _ = ex(eng.params, holder["slots"])
+            return toks
+
+        out[n] = median_seconds(call, repeats=repeats, warmup=3)
+        print(f"  decode call after {n:>5}-token prompts: {1e3 * out[n]:.3f} ms (8 tokens x {width} rows)")
+    out["ratio_8192_vs_128"] = out[8192] / out[128]
+    return out
+
+
+def compile_share(cfg, params, mode) -> dict:
+    srv = start(cfg, params, max_num_seqs=16, buckets=mode, prefill_chunk=64, steps_per_call=4, max_model_len=1024)
+    r = load(srv, num_prompts=48, input_len=64, output_len=48, request_rate=12, burstiness=1)
+    compile_s = metric_sum(srv, "laplace:compile_seconds_total", 'phase="serving"')
+    step_s = metric_sum(srv, "laplace:decode_step_seconds_sum")
+    steps = metric_sum(srv, "laplace:decode_steps_total")
+    compiles = metric_sum(srv, "laplace:compiles_total", 'phase="serving"')
+    srv.close()
+    out = {
+        "serving_compiles": compiles,
+        "serving_compile_s": compile_s,
+        "decode_s": step_s,
+        "compile_share_of_decode_time": compile_s / step_s if step_s else 0.0,
+        "decode_steps": steps,
+        "tpot_p50_s": r["tpot_s"]["median"],
+        "tpot_p99_s": r["tpot_s"]["p99"],
+        "ttft_p99_s": r["ttft_s"]["p99"],
+    }
+    print(
+        f"  buckets={mode}: {compiles:.0f} serving compiles, {100 * out['compile_share_of_decode_time']:.1f}% of "
+        f"decode time compiling; TPOT p99 {1e3 * r['tpot_s']['p99']:.1f} ms"
+    )
+    return out
+
+
+def time_to_ready(cfg, params) -> dict:
+    root = tempfile.mkdtemp()
+    save_model(os.path.join(root, "model"), cfg, params)
+    cache = os.path.join(root, "cache")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = {}
+    for label in ("cold", "warm"):
+        port = portpicker.pick_unused_port()
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "serve.py",
+                "--checkpoint",
+                os.path.join(root, "model"),
+                "--tokenizer",
+                "byte",
+                "--port",
+                str(port),
+                "--compile-cache-dir",
+                cache,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        out[label] = time.perf_counter() - t0
+        proc.terminate()
+        proc.wait(60)
+        print(f"  {label} start to ready: {out[label]:.1f} s")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", nargs="+", default=["tiny", "small_100m"])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    res = {"device": jax.devices()[0].device_kind, "configs": {}}
+    for name in a.configs:
+        cfg = model_config(load_config_file(f"configs/{name}.py"))
+        params = init_params(cfg, jax.random.key(0))
+        print(f"{name}:")
+        r = res["configs"][name] = {}
+        levels = [1, 4, 16, 32] if name == "tiny" else [1, 4, 16]
+        r["concurrency"] = concurrency_sweep(cfg, params, levels, 64 if name == "tiny" else 32)
+        if name == "tiny":
+            r["decode_step_vs_context"] = decode_step_vs_context(cfg, params)
+            r["context"] = context_flatness(cfg, params, 128)
+            r["compile_share"] = {m: compile_share(cfg, params, m) for m in ("pow2", "exact")}
+            r["time_to_ready"] = time_to_ready(cfg, params)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
