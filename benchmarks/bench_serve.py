@@ -98,8 +98,16 @@ def decode_step_vs_context(cfg, params, width=4, repeats=30) -> dict:
 
     out = {}
     for n in (128, 8192):
-        eng = Engine(cfg, params, eos_id=0, max_num_seqs=width, buckets=[width], prefill_chunk=512, steps_per_call=8,
-                     max_model_len=n + 10_000)
+        eng = Engine(
+            cfg,
+            params,
+            eos_id=0,
+            max_num_seqs=width,
+            buckets=[width],
+            prefill_chunk=512,
+            steps_per_call=8,
+            max_model_len=n + 10_000,
+        )
         eng.warmup()
         for _ in range(width):
             ids = np.random.default_rng(n).integers(1, 256, n).tolist()

@@ -48,10 +48,6 @@ def matmul_gflops(n: int = 2048, dtype=jnp.float32, repeats: int = 7) -> float:
     return 2 * n**3 / median_seconds(lambda: f(a, b), repeats) / 1e9
 
 
-def backend() -> str:
-    return jax.default_backend()
-
-
 def set_compile_cache(path: str) -> None:
     """JAX persistent compilation cache (and Neuron's, on Neuron) under ``path``; call before compiling."""
     os.makedirs(path, exist_ok=True)

@@ -52,7 +52,7 @@ class Data:
         else:
             tok = load_tokenizer(d.tokenizer)
             self.tokenizer, self.vocab_size, self.eos_id = tok.spec, tok.vocab_size, tok.eos_id
-            tokens = _embedded_tokens(tok, d.embedded_max_chars)
+            tokens = embedded_tokens(tok.spec, d.embedded_max_chars)
             cut = int(len(tokens) * 0.98)
             self.train = array_windows(tokens[:cut], d.seq_len)
             val = array_windows(tokens[cut:], d.seq_len)
@@ -65,16 +65,13 @@ class Data:
 
 
 @functools.lru_cache(maxsize=4)
-def _embedded_cached(spec: str, max_chars: int) -> np.ndarray:
+def embedded_tokens(spec: str, max_chars: int) -> np.ndarray:
+    """The embedded corpus as one flat token array (documents joined by EOS), cached per process."""
     tok = load_tokenizer(spec)
     parts = []
     for doc in embedded_documents(max_chars):
         parts += [np.asarray(tok.encode(doc), np.uint32), np.asarray([tok.eos_id], np.uint32)]
     return np.concatenate(parts)
-
-
-def _embedded_tokens(tok, max_chars: int) -> np.ndarray:
-    return _embedded_cached(tok.spec, max_chars)
 
 
 def _check_workdir(workdir: str) -> None:
