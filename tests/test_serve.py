@@ -250,3 +250,57 @@ def test_bench_tool_against_the_server(srv, tmp_path):
     res = json.loads(out.read_text())
     assert rc == 0 and res["completed"] == 8 and res["failed"] == 0
     assert res["output_throughput"] > 0 and res["tpot_s"]["p99"] >= res["tpot_s"]["median"] > 0
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_requests(tmp_path):
+    import signal
+
+    from laplace_jax.checkpoint import save_model
+
+    save_model(str(tmp_path / "m"), CFG, PARAMS)
+    port = portpicker.pick_unused_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "serve.py",
+            "--checkpoint",
+            str(tmp_path / "m"),
+            "--tokenizer",
+            "byte",
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            "2",
+            "--steps-per-call",
+            "1",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        lines = []
+        body = {"model": "m", "prompt": "abc", "max_tokens": 300, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:
+                    proc.send_signal(signal.SIGTERM)
+        assert lines[-1] == "data: [DONE]"
+        finished = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert finished[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM once it has drained
+    finally:
+        proc.kill()
