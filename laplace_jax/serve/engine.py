@@ -275,6 +275,14 @@ class Engine:
             self._stop = True
             self._cv.notify()
 
+    def run_until_idle(self) -> None:
+        """Serve every submitted request to completion on the calling thread (batch jobs, evals)."""
+        while self._rows or self._waiting:
+            self._admit()
+            self._reap_cancelled()
+            if self._rows:
+                self._decode_once()
+
     def loop(self) -> None:
         try:
             while True:

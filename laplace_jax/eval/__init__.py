@@ -1,0 +1,1 @@
+"""Evaluation: recall suites (MQAR, passkey) and the numerics report."""
