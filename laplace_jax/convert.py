@@ -189,7 +189,7 @@ def _check_shapes(cfg: ModelConfig, params: dict) -> None:
 
 def params_to_state_dict(cfg: ModelConfig, params: dict, dtype: Any = np.float32) -> dict[str, np.ndarray]:
     """laplace params -> fla state_dict (numpy in ``dtype``, torch layouts)."""
-    p = {k: v for k, v in params.items()}
+    p = params
     lay = p["layers"]
 
     def get(path: str, leaf: str) -> np.ndarray:

@@ -14,6 +14,7 @@ import optax
 
 from laplace_jax.config import ModelConfig
 from laplace_jax.models.gla_lm import decode_step, forward, prefill
+from laplace_jax.serve.sampling import sample_rows
 
 
 def score(cfg: ModelConfig, params, ids: list[int]) -> float:
@@ -25,21 +26,14 @@ def score(cfg: ModelConfig, params, ids: list[int]) -> float:
     return float(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean())
 
 
-def _pick(logits_BxV: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
-    if temperature <= 0:
-        return jnp.argmax(logits_BxV, axis=-1)
-    logits_BxV = logits_BxV / temperature
-    if top_k > 0:
-        kth = jax.lax.top_k(logits_BxV, top_k)[0][..., -1:]
-        logits_BxV = jnp.where(logits_BxV < kth, -jnp.inf, logits_BxV)
-    return jax.random.categorical(key, logits_BxV, axis=-1)
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _decode(cfg: ModelConfig, params, state, last_logits, n: int, key, temperature, top_k):
+    B = last_logits.shape[0]
+    temp_B, top_k_B, top_p_B = jnp.full((B,), temperature), jnp.full((B,), top_k), jnp.ones((B,))
 
-
-@functools.partial(jax.jit, static_argnums=(0, 4, 6, 7))
-def _decode(cfg: ModelConfig, params, state, last_logits, n: int, key, top_k: int, temperature):
     def step(carry, key):
         logits, state = carry
-        tok = _pick(logits, key, temperature, top_k)
+        tok = sample_rows(logits, temp_B, top_k_B, top_p_B, jax.random.split(key, B))
         logits, state = decode_step(cfg, params, tok, state)
         return (logits, state), tok
 
@@ -61,5 +55,5 @@ def sample(
     if not prompt_ids:
         raise ValueError("the prompt must hold at least one token")
     logits, state = jax.jit(prefill, static_argnums=0)(cfg, params, jnp.asarray(prompt_ids, jnp.int32)[None])
-    toks = _decode(cfg, params, state, logits[:, -1], max_new_tokens, jax.random.key(seed), top_k, temperature)
+    toks = _decode(cfg, params, state, logits[:, -1], max_new_tokens, jax.random.key(seed), temperature, top_k)
     return [int(t) for t in toks]

@@ -54,6 +54,7 @@ class Request:
     id: str = ""
     cancelled: bool = False
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    stops: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids, set at admission
     started_at: float | None = None
     first_token_at: float | None = None
     generated: int = 0
@@ -302,9 +303,12 @@ class Engine:
             raise
 
     # ----- host internals ---------------------------------------------------------------
+    def _stop_ids(self, sp: SamplingParams) -> list[int]:
+        """The token ids that end a request (the same list the device checks)."""
+        return (([] if sp.ignore_eos else [self.eos_id]) + list(sp.stop_token_ids))[:MAX_STOP_IDS]
+
     def _row_params(self, sp: SamplingParams) -> dict:
-        stops = [] if sp.ignore_eos else [self.eos_id]
-        stops = (stops + list(sp.stop_token_ids))[:MAX_STOP_IDS]
+        stops = self._stop_ids(sp)
         seed = sp.seed if sp.seed is not None else np.random.randint(0, 2**31 - 1)
         return {
             "temperature": np.float32(sp.temperature),
@@ -334,23 +338,25 @@ class Engine:
                 chunk[0, : len(piece)] = piece
                 logits, state = self._get("prefill", 1)(self.params, chunk, state, np.asarray([len(piece)], np.int32))
             row = self._row_params(req.sampling)
+            req.stops = frozenset(self._stop_ids(req.sampling))
             slot = len(self._rows)
             self.slots, first = self._get("insert", 1)(self.slots, state, logits, row, np.int32(slot))
             first = int(first)
             req.first_token_at = time.perf_counter()
             if self.metrics is not None:
                 self.metrics.on_first_token(req)
-            finished = self._finish_reason(req, first, row)
-            req.generated = 1
-            req.emit([] if first in row["stop_ids"] else [first], finished)
+            finished = self._accept(req, first)
+            req.emit([] if finished == "stop" else [first], finished)
             if finished is None:
                 self._rows.append(req)
             self._admitting = None
 
-    def _finish_reason(self, req: Request, token: int, row: dict) -> str | None:
-        if token in row["stop_ids"]:
+    def _accept(self, req: Request, token: int) -> str | None:
+        """Count one generated token; return the finish reason it causes (stop tokens are not emitted)."""
+        req.generated += 1
+        if token in req.stops:
             return "stop"
-        if req.generated + 1 >= req.sampling.max_tokens:
+        if req.generated >= req.sampling.max_tokens:
             return "length"
         return None
 
@@ -379,19 +385,14 @@ class Engine:
         done_rows = []
         for i, req in enumerate(self._rows):
             out, reason = [], None
-            stops = set() if req.sampling.ignore_eos else {self.eos_id}
-            stops |= set(req.sampling.stop_token_ids)
             for k in range(self.K):
                 if not valid[k, i]:
                     break
                 t = int(toks[k, i])
-                req.generated += 1
-                if t in stops:
-                    reason = "stop"
-                    break
-                out.append(t)
-                if req.generated >= req.sampling.max_tokens:
-                    reason = "length"
+                reason = self._accept(req, t)
+                if reason != "stop":
+                    out.append(t)
+                if reason:
                     break
             if out or reason:
                 req.emit(out, reason)
