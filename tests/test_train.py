@@ -162,13 +162,13 @@ def test_two_processes_equal_one_process(tmp_path):
         _train_proc(
             tmp_path / "multi",
             2,
-            ["--coordinator_address", f"localhost:{port}", "--num_processes", "2", "--process_id", str(i)],
+            ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)],
         )
         for i in range(2)
     ]
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    for i, (p, err) in enumerate(zip(procs, errs, strict=True)):
+        assert p.returncode == 0, f"process {i}:\n{err[-3000:]}\nprocess {1 - i}:\n{errs[1 - i][-1500:]}"
     single = _train_proc(tmp_path / "single", 4)  # after the pair: 2 cores, and Gloo waits only 30 s
     _, err = single.communicate(timeout=600)
     assert single.returncode == 0, err[-3000:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import tempfile
 import time
 from typing import Any
 
@@ -77,10 +78,9 @@ def embedded_tokens(spec: str, max_chars: int) -> np.ndarray:
 def _check_workdir(workdir: str) -> None:
     try:
         os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, ".write_test")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        # A unique name: every process of a multi-host run probes the same shared workdir.
+        with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test_"):
+            pass
     except OSError as e:
         raise UserError(
             f"workdir {workdir} is not writable ({e.strerror}); pass --workdir to a writable directory"
