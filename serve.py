@@ -11,6 +11,7 @@ before /health reports ready; with --compile-cache-dir a restart compiles nothin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 
@@ -35,6 +36,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps-per-call", type=int, default=4, help="decode tokens per device dispatch")
     ap.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: model's)")
     ap.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    ap.add_argument(
+        "--exact",
+        action="store_true",
+        help="reproducibility over speed: float32 compute, no excess precision, deterministic XLA ops",
+    )
     ap.add_argument("--compile-cache-dir", default=None, help="persistent compile cache (JAX; Neuron's on Neuron)")
     ap.add_argument("--temperature", type=float, default=1.0, help="default sampling temperature")
     ap.add_argument("--top-p", type=float, default=1.0, help="default top-p")
@@ -44,6 +50,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    if a.exact:
+        from laplace_jax.platform import set_exact
+
+        set_exact()
     if a.compile_cache_dir:
         from laplace_jax.platform import set_compile_cache
 
@@ -59,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = a.checkpoint or newest_workdir()
         cfg, params, tok, name = load_for_serving(path, a.tokenizer)
+        if a.exact:
+            cfg = dataclasses.replace(cfg, dtype="float32")
         buckets = a.decode_buckets if a.decode_buckets in ("pow2", "exact") else a.decode_buckets.split(",")
         engine = Engine(
             cfg,
@@ -81,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         a.model_name or name,
         SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p),
     )
-    print(f"serving {path} as {server.model_name!r} on http://{a.host}:{a.port}")
+    print(
+        f"serving {path} as {server.model_name!r} on http://{a.host}:{a.port} ({cfg.dtype} compute"
+        f"{', exact' if a.exact else ''})"
+    )
     print(
         f"  state per sequence {engine.state_bytes:,} B x {engine.S} slots = {engine.state_bytes * engine.S:,} B "
         f"reserved; decode buckets {engine.buckets or 'exact (compiled on demand)'}; prefill chunk {engine.P}"

@@ -1,7 +1,7 @@
 """The full config layout with defaults; every ``configs/*.py`` starts from ``base_config()``.
 
 model  ModelConfig fields (laplace_jax.config)
-data   path ('' = embedded stdlib corpus), seq_len, global_batch, eval settings, seed
+data   source ('text' | 'mqar'), path ('' = embedded stdlib corpus), seq_len, global_batch, eval, seed
 opt    optimizer, schedule, Muon/AdamW hyperparameters, clipping
 train  steps, accumulation, logging/eval/checkpoint intervals, non-finite policy
 mesh   data / fsdp axis sizes (-1: all remaining devices) and logical axis rules
@@ -48,6 +48,7 @@ def base_config() -> config_dict.ConfigDict:
     c.model = _model_block()
     c.data = config_dict.ConfigDict(
         dict(
+            source="text",  # 'text' (data.path, or the embedded corpus) or 'mqar' (synthetic recall mixture)
             path="",  # a directory written by laplace_jax.data.prepare; '' = embedded stdlib corpus
             tokenizer="byte",  # for the embedded corpus; prepared data records its own tokenizer
             seq_len=256,
@@ -55,6 +56,7 @@ def base_config() -> config_dict.ConfigDict:
             seed=0,
             eval_batches=4,
             embedded_max_chars=3_000_000,
+            mqar=config_dict.ConfigDict(dict(min_pairs=4, max_pairs=24)),  # pairs per training window
         )
     )
     c.opt = config_dict.ConfigDict(

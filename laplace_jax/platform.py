@@ -48,6 +48,25 @@ def matmul_gflops(n: int = 2048, dtype=jnp.float32, repeats: int = 7) -> float:
     return 2 * n**3 / median_seconds(lambda: f(a, b), repeats) / 1e9
 
 
+EXACT_XLA_FLAGS = (
+    "--xla_allow_excess_precision=false",  # round every bf16/f16 op as written: compiled == op-by-op
+    "--xla_cpu_enable_fast_math=false",
+    "--xla_gpu_deterministic_ops=true",  # run-to-run identical reductions on GPU
+)
+
+
+def set_exact() -> None:
+    """Reproducibility over speed for this process: the XLA flags above and 'highest' matmul
+    precision (no TF32 / bf16 passes on GPU and TPU). Call before anything touches a device; the
+    caller also computes in float32 (``dataclasses.replace(cfg, dtype="float32")``)."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("set_exact() must run before JAX initializes its backends (XLA reads its flags once)")
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *EXACT_XLA_FLAGS]).strip()
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
 def set_compile_cache(path: str) -> None:
     """JAX persistent compilation cache (and Neuron's, on Neuron) under ``path``; call before compiling."""
     os.makedirs(path, exist_ok=True)

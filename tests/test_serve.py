@@ -275,6 +275,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
             "2",
             "--steps-per-call",
             "1",
+            "--exact",  # exercises that switch end to end as well
         ],
         env=env,
         stdout=subprocess.PIPE,
@@ -302,5 +303,6 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
         finished = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert finished[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM once it has drained
+        assert "(float32 compute, exact)" in proc.stdout.read()
     finally:
         proc.kill()

@@ -11,11 +11,20 @@ process or device layout, and the iterator state is a small dict checkpointed wi
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import grain
 import numpy as np
 
 from laplace_jax.data.store import DataError, TokenStore
+
+
+class WindowSource(Protocol):
+    """What the pipeline reads: ``len`` windows, each [seq_len + 1] int32 (``Windows``, ``MQARWindows``)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> np.ndarray: ...
 
 
 class Windows:
@@ -45,7 +54,7 @@ def store_windows(path: str, split: str, seq_len: int) -> Windows:
 
 
 def train_batches(
-    windows: Windows,
+    windows: WindowSource,
     *,
     global_batch: int,
     seed: int,
@@ -66,7 +75,7 @@ def train_batches(
     return grain.MapDataset.range(0, num_steps * local).map(pick).batch(local).to_iter_dataset()
 
 
-def eval_batches(windows: Windows, batch: int, num_batches: int) -> list[np.ndarray]:
+def eval_batches(windows: WindowSource, batch: int, num_batches: int) -> list[np.ndarray]:
     """The first ``num_batches`` full batches of held-out windows, in order (a fixed eval set)."""
     n = min(num_batches, len(windows) // batch)
     if n < 1:

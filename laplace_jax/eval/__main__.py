@@ -1,16 +1,20 @@
-"""Evaluate a checkpoint (a train.py workdir, or a model directory with --tokenizer).
+"""Evaluate checkpoints (train.py workdirs, or model directories with --tokenizer).
 
     python -m laplace_jax.eval recall --checkpoint runs/tiny --suite passkey --lengths 256 1024 --levels 0 0.5 1
-    python -m laplace_jax.eval recall --checkpoint runs/tiny --suite mqar --lengths 256 1024 4096 --levels 4 16 64
-    python -m laplace_jax.eval numerics --checkpoint runs/tiny
+    python -m laplace_jax.eval recall --checkpoint runs/recall_1x runs/recall_4x --suite mqar \\
+        --lengths 256 1024 4096 --levels 4 16 64
+    python -m laplace_jax.eval numerics --checkpoint runs/tiny [--exact]
     python -m laplace_jax.eval perplexity --checkpoint runs/tiny --data data/mine --split val
 
-Recall writes accuracy per (length, level) as JSON and a heat map PNG under --out.
+recall writes accuracy per (context length, level) to OUT/recall_<suite>_<name>.json, a heat map
+per checkpoint to OUT/recall_<suite>.png and accuracy curves to OUT/recall_<suite>_curves.png.
+Levels are N pairs for mqar and the needle's depth (0 = start, 1 = end) for passkey.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -19,82 +23,159 @@ import time
 import numpy as np
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m laplace_jax.eval", description=__doc__.split("\n\n")[0])
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m laplace_jax.eval",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("recall", "numerics", "perplexity"):
-        p = sub.add_parser(name)
-        p.add_argument("--checkpoint", required=True)
-        p.add_argument("--tokenizer", default=None)
-        p.add_argument("--out", default="eval_out")
+    helps = {
+        "recall": "MQAR / passkey accuracy per (context length, level)",
+        "numerics": "logit differences: jit vs eager, fp32 vs bf16, chunk vs recurrent, greedy decode",
+        "perplexity": "loss, perplexity and tokens/s on a prepared dataset's split",
+    }
+    for name, text in helps.items():
+        p = sub.add_parser(name, help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.add_argument(
+            "--checkpoint", required=True, nargs="+" if name == "recall" else None, help="workdir or model dir"
+        )
+        p.add_argument("--tokenizer", default=None, help="tokenizer spec for model directories")
+        p.add_argument("--out", default="eval_out", help="output directory")
+        p.add_argument("--exact", action="store_true", help="float32 compute and XLA flags for reproducibility")
         if name == "recall":
-            p.add_argument("--suite", choices=["mqar", "passkey"], default="passkey")
-            p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
-            p.add_argument("--levels", type=float, nargs="+", default=[0.0, 0.5, 1.0], help="N pairs or depths")
-            p.add_argument("--samples", type=int, default=8)
+            p.add_argument("--suite", choices=["mqar", "passkey"], default="mqar")
+            p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024], help="context lengths (tokens)")
+            p.add_argument("--levels", type=float, nargs="+", default=[4, 16, 64], help="N pairs or depths")
+            p.add_argument("--samples", type=int, default=16, help="samples per cell")
             p.add_argument("--seed", type=int, default=0)
+        if name == "numerics":
+            p.add_argument("--length", type=int, default=256, help="tokens per row (2 random rows)")
         if name == "perplexity":
-            p.add_argument("--data", required=True)
+            p.add_argument("--data", required=True, help="directory written by laplace_jax.data.prepare")
             p.add_argument("--split", default="val")
-            p.add_argument("--batches", type=int, default=16)
-    a = ap.parse_args(argv)
+            p.add_argument("--batches", type=int, default=16, help="batches of 4 windows")
+    return ap.parse_args(argv)
 
+
+def check_recall_args(a: argparse.Namespace, cfg) -> None:
+    """Reject grids the model or the task cannot take, before any compile."""
+    from laplace_jax.cli import UserError
+    from laplace_jax.eval.recall import max_pairs
+
+    if min(a.lengths) < 16 or max(a.lengths) > cfg.max_seq_len:
+        raise UserError(
+            f"context lengths must lie in [16, {cfg.max_seq_len}] (the model's max_seq_len); got {a.lengths}. "
+            "GLA has no positional limit: to probe further, raise model.max_seq_len in the checkpoint's config"
+        )
+    if a.suite == "mqar":
+        bad = [x for x in a.levels if x < 1 or x != int(x) or x > max_pairs()]
+        if bad:
+            raise UserError(f"mqar levels are whole numbers of pairs in [1, {max_pairs()}]; got {bad}")
+    elif any(not 0 <= x <= 1 for x in a.levels):
+        raise UserError(f"passkey levels are depths in [0, 1]; got {a.levels}")
+    if a.samples < 1:
+        raise UserError("--samples must be at least 1")
+
+
+def recall(a: argparse.Namespace, loaded: list) -> None:
+    from tqdm import tqdm
+
+    from laplace_jax.cli import UserError
+    from laplace_jax.eval.recall import curves, heatmaps, model_answers, score, suite
+    from laplace_jax.serve.engine import Engine
+
+    results = {}
+    for cfg, params, tok, name in loaded:
+        check_recall_args(a, cfg)
+        samples = suite(a.suite, a.seed, a.lengths, a.levels, a.samples, lambda s, tok=tok: len(tok.encode(s)))
+        if not samples:
+            raise UserError("no sample fits: every (length, N) cell needs more tokens than its length")
+
+        def factory(cfg=cfg, params=params, tok=tok, samples=samples) -> Engine:
+            return Engine(
+                cfg,
+                params,
+                eos_id=tok.eos_id,
+                max_num_seqs=8,
+                prefill_chunk=256,
+                max_model_len=cfg.max_seq_len,
+                max_queue=len(samples),  # offline: every prompt is queued up front
+            )
+
+        with tqdm(total=len(samples), desc=f"{name} {a.suite}", unit="prompt") as bar:
+            res = score(samples, model_answers(factory, tok, on_done=lambda: bar.update(1)))
+        results[name] = res
+        with open(os.path.join(a.out, f"recall_{a.suite}_{name}.json"), "w") as f:
+            json.dump(res, f, indent=2)
+        for r in res.values():
+            print(
+                f"{name}  length {r['length']:>6}  level {r['level']:>6g}  accuracy {r['accuracy']:.2f}  (n={r['n']})"
+            )
+    heatmaps(results, os.path.join(a.out, f"recall_{a.suite}.png"), a.suite)
+    curves(results, os.path.join(a.out, f"recall_{a.suite}_curves.png"), a.suite)
+    print(f"wrote {a.out}/recall_{a.suite}*.json and .png")
+
+
+def numerics(a: argparse.Namespace, cfg, params) -> None:
+    from laplace_jax.eval.numerics import report
+
+    tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, (2, a.length)).astype(np.int32)
+    rep = {"exact": a.exact, **report(cfg, params, tokens)}
+    print(json.dumps(rep, indent=2))
+    with open(os.path.join(a.out, f"numerics{'_exact' if a.exact else ''}.json"), "w") as f:
+        json.dump(rep, f, indent=2)
+
+
+def perplexity(a: argparse.Namespace, cfg, params) -> None:
+    import jax
+
+    from laplace_jax.cli import UserError
+    from laplace_jax.data.pipeline import eval_batches, store_windows
+    from laplace_jax.data.store import DataError
+    from laplace_jax.train.step import eval_step
+
+    try:
+        batches = eval_batches(store_windows(a.data, a.split, min(cfg.max_seq_len, 1024)), 4, a.batches)
+    except DataError as e:
+        raise UserError(str(e)) from e
+    fn = jax.jit(eval_step, static_argnums=0)
+    fn(cfg, params, batches[0]).block_until_ready()
+    t0 = time.perf_counter()
+    losses = [float(fn(cfg, params, b)) for b in batches]
+    dt = time.perf_counter() - t0
+    tokens = sum(b[:, 1:].size for b in batches)
+    loss = float(np.mean(losses))
+    print(f"loss {loss:.4f} nats/token, perplexity {np.exp(loss):.2f}, {tokens:,} tokens, {tokens / dt:,.0f} tokens/s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    if a.exact:
+        from laplace_jax.platform import set_exact
+
+        set_exact()
     from laplace_jax.cli import UserError
     from laplace_jax.serve.loading import load_for_serving
 
     try:
-        cfg, params, tok, name = load_for_serving(a.checkpoint, a.tokenizer)
+        paths = a.checkpoint if isinstance(a.checkpoint, list) else [a.checkpoint]
+        loaded = []
+        for path in paths:
+            cfg, params, tok, name = load_for_serving(path, a.tokenizer)
+            if a.exact:
+                cfg = dataclasses.replace(cfg, dtype="float32")
+            loaded.append((cfg, params, tok, name))
+        if len({x[3] for x in loaded}) < len(loaded):
+            raise UserError("checkpoints must have different directory names (they name the outputs)")
         os.makedirs(a.out, exist_ok=True)
         if a.cmd == "recall":
-            if max(a.lengths) > cfg.max_seq_len * 4:
-                raise UserError(
-                    f"context length {max(a.lengths)} is beyond 4x the model's max_seq_len {cfg.max_seq_len}"
-                )
-            from laplace_jax.eval.recall import heatmap, model_answers, score, suite
-            from laplace_jax.serve.engine import Engine
-
-            samples = suite(a.suite, a.seed, a.lengths, a.levels, a.samples, lambda s: len(tok.encode(s)))
-            if not samples:
-                raise UserError("no sample fits: every (length, N) cell needs more tokens than its length")
-
-            def factory() -> Engine:
-                return Engine(
-                    cfg, params, eos_id=tok.eos_id, max_num_seqs=8, prefill_chunk=256, max_model_len=max(a.lengths) + 64
-                )
-
-            res = score(samples, model_answers(factory, tok))
-            with open(os.path.join(a.out, f"recall_{a.suite}.json"), "w") as f:
-                json.dump(res, f, indent=2)
-            heatmap(res, os.path.join(a.out, f"recall_{a.suite}.png"), f"{name}: {a.suite} recall")
-            for r in res.values():
-                print(f"length {r['length']:>6}  level {r['level']:>6g}  accuracy {r['accuracy']:.2f}  (n={r['n']})")
+            recall(a, loaded)
         elif a.cmd == "numerics":
-            from laplace_jax.eval.numerics import report
-
-            tokens = np.random.default_rng(0).integers(1, cfg.vocab_size, (2, 256)).astype(np.int32)
-            rep = report(cfg, params, tokens)
-            print(json.dumps(rep, indent=2))
-            with open(os.path.join(a.out, "numerics.json"), "w") as f:
-                json.dump(rep, f, indent=2)
+            numerics(a, *loaded[0][:2])
         else:
-            import jax
-
-            from laplace_jax.data.pipeline import eval_batches, store_windows
-            from laplace_jax.data.store import DataError
-            from laplace_jax.train.step import eval_step
-
-            try:
-                batches = eval_batches(store_windows(a.data, a.split, min(cfg.max_seq_len, 1024)), 4, a.batches)
-            except DataError as e:
-                raise UserError(str(e)) from e
-            fn = jax.jit(eval_step, static_argnums=0)
-            fn(cfg, params, batches[0]).block_until_ready()
-            t0 = time.perf_counter()
-            losses = [float(fn(cfg, params, b)) for b in batches]
-            dt = time.perf_counter() - t0
-            tokens = sum(b[:, 1:].size for b in batches)
-            loss = float(np.mean(losses))
-            print(f"loss {loss:.4f} nats/token, perplexity {np.exp(loss):.2f}, {tokens / dt:,.0f} tokens/s")
+            perplexity(a, *loaded[0][:2])
     except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,9 +1,11 @@
 """Recall suites generated on the fly from a seed (no downloads), as text for any tokenizer.
 
-MQAR: N key-value pairs ("QZXK:4821") spread through filler text, then a query "\\nQZXK:" whose
+MQAR: N key-value pairs ("QZX:482. ") spread through filler text, then a query "\nQZX:" whose
 answer is the value. Passkey: filler with "The pass key is 48213." at a chosen depth, then "What
 is the pass key? The pass key is " -> "48213". Keys are upper-case, values digits, filler
 lower-case words without digits, so every answer occurs in its context exactly once.
+``mqar_training_segments`` writes the same format as training text with several queries, the
+answers marked for the loss (``laplace_jax.data.synthetic`` turns it into train.py windows).
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ FILLER = (
     "the morning was quiet and the streets were empty. ",
     "people walked slowly along the shore in the evening. ",
 )
+KEY_LEN, VALUE_LEN = 2, 3  # the MQAR format used by the suite and by recall training
+
+
+class DoesNotFitError(ValueError):
+    """A sample's fixed parts (pairs, question) need more tokens than its context length."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,28 +37,37 @@ class Sample:
     level: float  # N pairs (MQAR) or depth fraction (passkey)
 
 
+def max_pairs(key_len: int = KEY_LEN) -> int:
+    """How many distinct keys of ``key_len`` upper-case letters exist."""
+    return len(string.ascii_uppercase) ** key_len
+
+
+def _pairs(rng: np.random.Generator, n: int, key_len: int, value_len: int) -> list[tuple[str, str]]:
+    if n > max_pairs(key_len):
+        raise ValueError(
+            f"{n} pairs need {n} distinct keys but {key_len}-letter keys allow only {max_pairs(key_len)}; "
+            "ask for fewer pairs"
+        )
+    letters = np.array(list(string.ascii_uppercase))
+    codes = rng.choice(max_pairs(key_len), n, replace=False)
+    keys = ["".join(letters[(c // 26 ** np.arange(key_len)) % 26]) for c in codes]
+    lo = 10 ** (value_len - 1)
+    return [(k, str(int(v))) for k, v in zip(keys, rng.integers(lo, 10 * lo, n), strict=True)]
+
+
 def _fill(rng: np.random.Generator, measure: Callable[[str], int], budget: int) -> list[str]:
+    """Filler sentences totalling at most ``budget`` tokens (within one sentence of it)."""
     out: list[str] = []
-    while budget > 0:
+    while True:
         s = FILLER[int(rng.integers(len(FILLER)))]
-        out.append(s)
         budget -= measure(s)
-    return out
+        if budget < 0:
+            return out
+        out.append(s)
 
 
-def mqar(seed: int, length: int, n_pairs: int, measure: Callable[[str], int] = len) -> Sample:
-    """One MQAR sample of about ``length`` tokens with ``n_pairs`` pairs; queries one random key."""
-    rng = np.random.default_rng([seed, length, n_pairs])
-    keys: set[str] = set()
-    while len(keys) < n_pairs:
-        keys.add("".join(rng.choice(list(string.ascii_uppercase), 4)))
-    pairs = [(k, f"{int(rng.integers(1000, 10000))}") for k in sorted(keys)]
-    rng.shuffle(pairs)
-    items = [f"{k}:{v}. " for k, v in pairs]
-    need = sum(measure(x) for x in items) + measure("\nABCD:") + 4
-    if need > length:
-        raise ValueError(f"{n_pairs} pairs need about {need} tokens, more than the context length {length}")
-    filler = _fill(rng, measure, length - need)
+def _scatter(rng: np.random.Generator, items: list[str], filler: list[str]) -> list[str]:
+    """``items`` in order, each inserted at a random gap of ``filler``."""
     slots = sorted(rng.integers(0, len(filler) + 1, len(items)).tolist())
     parts, j = [], 0
     for i, f in enumerate([*filler, None]):
@@ -60,8 +76,59 @@ def mqar(seed: int, length: int, n_pairs: int, measure: Callable[[str], int] = l
             j += 1
         if f is not None:
             parts.append(f)
+    return parts
+
+
+def mqar(
+    seed: int,
+    length: int,
+    n_pairs: int,
+    measure: Callable[[str], int] = len,
+    key_len: int = KEY_LEN,
+    value_len: int = VALUE_LEN,
+) -> Sample:
+    """One MQAR sample of about ``length`` tokens with ``n_pairs`` pairs; queries one random key."""
+    rng = np.random.default_rng([seed, length, n_pairs])
+    pairs = _pairs(rng, n_pairs, key_len, value_len)
+    items = [f"{k}:{v}. " for k, v in pairs]
+    need = sum(measure(x) for x in items) + measure("\n" + "K" * key_len + ":") + value_len + 1  # answer, stop
+    if need > length:
+        raise DoesNotFitError(f"{n_pairs} pairs need about {need} tokens, more than the context length {length}")
+    parts = _scatter(rng, items, _fill(rng, measure, length - need))
     key, value = pairs[int(rng.integers(n_pairs))]
     return Sample("".join(parts) + f"\n{key}:", value, length, n_pairs)
+
+
+def mqar_training_segments(
+    rng: np.random.Generator,
+    length: int,
+    n_pairs: int,
+    measure: Callable[[str], int] = len,
+    key_len: int = KEY_LEN,
+    value_len: int = VALUE_LEN,
+) -> list[tuple[str, bool]]:
+    """(text, is_answer) segments of at least ``length`` tokens: the pairs scattered through a
+    random amount of filler (none up to all the room left after ``min(n_pairs, 4)`` queries, as
+    sparse as the suite's contexts get), then queries "\nKEY:" + answer until the length is
+    reached (every key once in random order, then again). Only the answers are for the loss."""
+    pairs = _pairs(rng, n_pairs, key_len, value_len)
+    items = [f"{k}:{v}. " for k, v in pairs]
+    used = sum(measure(x) for x in items)
+    query = measure("\n" + "K" * key_len + ":") + value_len
+    if used + query > length:
+        raise ValueError(f"{n_pairs} pairs and one query need {used + query} tokens, more than {length}")
+    budget = max(0, length - used - min(n_pairs, 4) * query)
+    parts = _scatter(rng, items, _fill(rng, measure, int(rng.integers(0, budget + 1))))
+    out = [("".join(parts), False)]
+    used = sum(measure(p) for p in parts)
+    while used < length:
+        for j in rng.permutation(n_pairs):
+            k, v = pairs[int(j)]
+            out += [(f"\n{k}:", False), (v, True)]
+            used += query
+            if used >= length:
+                break
+    return out
 
 
 def passkey(seed: int, length: int, depth: float, measure: Callable[[str], int] = len) -> Sample:
@@ -72,7 +139,10 @@ def passkey(seed: int, length: int, depth: float, measure: Callable[[str], int] 
     key = f"{int(rng.integers(10000, 100000))}"
     fact = f"The pass key is {key}. "
     question = "\nWhat is the pass key? The pass key is "
-    filler = _fill(rng, measure, length - measure(fact) - measure(question))
+    room = length - measure(fact) - measure(question) - measure(key) - 1
+    if room < 0:
+        raise DoesNotFitError(f"a passkey prompt needs at least {length - room} tokens; got length {length}")
+    filler = _fill(rng, measure, room)
     at = round(depth * len(filler))
     return Sample("".join(filler[:at]) + fact + "".join(filler[at:]) + question, key, length, depth)
 
@@ -80,20 +150,20 @@ def passkey(seed: int, length: int, depth: float, measure: Callable[[str], int] 
 def suite(
     kind: str, seed: int, lengths: list[int], levels: list[float], samples: int, measure: Callable[[str], int] = len
 ) -> list[Sample]:
-    """All samples of a grid (lengths x levels x samples); MQAR skips cells whose pairs do not fit."""
+    """All samples of a grid (lengths x levels x samples), skipping cells that do not fit their length."""
+    if kind not in ("mqar", "passkey"):
+        raise ValueError(f"suite must be 'mqar' or 'passkey'; got {kind!r}")
     out = []
     for L in lengths:
         for lv in levels:
             for s in range(samples):
-                if kind == "mqar":
-                    try:
+                try:
+                    if kind == "mqar":
                         out.append(mqar(seed + s, L, int(lv), measure))
-                    except ValueError:
-                        continue
-                elif kind == "passkey":
-                    out.append(passkey(seed + s, L, float(lv), measure))
-                else:
-                    raise ValueError(f"suite must be 'mqar' or 'passkey'; got {kind!r}")
+                    else:
+                        out.append(passkey(seed + s, L, float(lv), measure))
+                except DoesNotFitError:
+                    continue
     return out
 
 
@@ -109,8 +179,11 @@ def score(samples: list[Sample], answer_fn: Callable[[list[Sample]], list[str]])
     }
 
 
-def model_answers(engine_factory: Callable[[], object], tokenizer) -> Callable[[list[Sample]], list[str]]:
-    """Greedy answers from a model through the serving engine (fixed executables, any prompt length)."""
+def model_answers(
+    engine_factory: Callable[[], object], tokenizer, on_done: Callable[[], None] | None = None
+) -> Callable[[list[Sample]], list[str]]:
+    """Greedy answers from a model through the serving engine (fixed executables, any prompt length).
+    ``on_done`` is called (from the engine loop) as each prompt finishes, e.g. to move a progress bar."""
     from laplace_jax.serve.engine import Request, SamplingParams
 
     def answer(samples: list[Sample]) -> list[str]:
@@ -122,6 +195,8 @@ def model_answers(engine_factory: Callable[[], object], tokenizer) -> Callable[[
 
             def emit(toks, reason, i=i):
                 outs[i].extend(toks)
+                if reason is not None and on_done is not None:
+                    on_done()
 
             engine.submit(Request(tokenizer.encode(s.prompt), SamplingParams(max_tokens=n, temperature=0.0), emit))
         engine.run_until_idle()
@@ -130,29 +205,66 @@ def model_answers(engine_factory: Callable[[], object], tokenizer) -> Callable[[
     return answer
 
 
-def heatmap(results: dict, path: str, title: str) -> None:
-    """Accuracy heat map: context length (x) against N pairs / depth (y)."""
+def _grid(res: dict) -> tuple[list[int], list[float], np.ndarray]:
+    lengths = sorted({r["length"] for r in res.values()})
+    levels = sorted({r["level"] for r in res.values()})
+    grid = np.full((len(levels), len(lengths)), np.nan)
+    for r in res.values():
+        grid[levels.index(r["level"]), lengths.index(r["length"])] = r["accuracy"]
+    return lengths, levels, grid
+
+
+def _level_name(suite: str) -> str:
+    return "pairs (N)" if suite == "mqar" else "depth"
+
+
+def heatmaps(results: dict[str, dict], path: str, suite: str) -> None:
+    """One accuracy heat map per checkpoint, side by side: context length (x) against level (y)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lengths = sorted({r["length"] for r in results.values()})
-    levels = sorted({r["level"] for r in results.values()})
-    grid = np.full((len(levels), len(lengths)), np.nan)
-    for r in results.values():
-        grid[levels.index(r["level"]), lengths.index(r["length"])] = r["accuracy"]
-    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2, 0.5 * len(levels) + 2))
-    im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", origin="lower", aspect="auto")
-    ax.set_xticks(range(len(lengths)), [str(x) for x in lengths])
-    ax.set_yticks(range(len(levels)), [f"{x:g}" for x in levels])
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("pairs" if levels and levels[-1] > 1 else "depth")
-    ax.set_title(title)
-    for (y, x), v in np.ndenumerate(grid):
-        if not np.isnan(v):
-            ax.text(x, y, f"{v:.2f}", ha="center", va="center", color="w" if v < 0.6 else "k", fontsize=8)
-    fig.colorbar(im, ax=ax, label="accuracy")
+    n = len(results)
+    lengths, levels, _ = _grid(next(iter(results.values())))
+    fig, axes = plt.subplots(1, n, figsize=(n * (1.1 * len(lengths) + 2), 0.45 * len(levels) + 2.2), squeeze=False)
+    for ax, (name, res) in zip(axes[0], results.items(), strict=True):
+        lengths, levels, grid = _grid(res)
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", origin="lower", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(x) for x in lengths])
+        ax.set_yticks(range(len(levels)), [f"{x:g}" for x in levels])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(_level_name(suite))
+        ax.set_title(f"{name}: {suite} accuracy")
+        for (y, x), v in np.ndenumerate(grid):
+            if not np.isnan(v):
+                ax.text(x, y, f"{v:.2f}", ha="center", va="center", color="w" if v < 0.6 else "k", fontsize=8)
+    fig.colorbar(im, ax=axes[0].tolist(), label="accuracy")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def curves(results: dict[str, dict], path: str, suite: str) -> None:
+    """Accuracy against context length (one line per level) for each checkpoint, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(results)
+    fig, axes = plt.subplots(1, n, figsize=(5 * n, 3.6), squeeze=False, sharey=True)
+    for ax, (name, res) in zip(axes[0], results.items(), strict=True):
+        lengths, levels, grid = _grid(res)
+        for lv, row in zip(levels, grid, strict=True):
+            ok = ~np.isnan(row)
+            ax.plot(np.asarray(lengths)[ok], row[ok], "o-", label=f"{lv:g}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        ax.legend(title=_level_name(suite), fontsize=7)
+    axes[0][0].set_ylabel(f"{suite} accuracy")
+    axes[0][0].set_ylim(-0.02, 1.02)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -27,8 +27,9 @@ from laplace_jax.checkpoint import TrainCheckpointer
 from laplace_jax.cli import UserError
 from laplace_jax.config import ModelConfig, model_config
 from laplace_jax.data.corpus import embedded_documents
-from laplace_jax.data.pipeline import Windows, array_windows, eval_batches, store_windows, train_batches
+from laplace_jax.data.pipeline import WindowSource, array_windows, eval_batches, store_windows, train_batches
 from laplace_jax.data.store import DataError, read_meta
+from laplace_jax.data.synthetic import MQARWindows
 from laplace_jax.data.tokenizer import load_tokenizer
 from laplace_jax.hlo_stats import collective_bytes
 from laplace_jax.models.gla_lm import abstract_params, count_params, init_params
@@ -45,11 +46,21 @@ class Data:
 
     def __init__(self, cfg: Any, model: ModelConfig):
         d = cfg.data
-        if d.path:
+        self.train: WindowSource
+        val: WindowSource
+        if d.source not in ("text", "mqar"):
+            raise UserError(f"data.source must be 'text' or 'mqar'; got {d.source!r}")
+        if d.source == "mqar":
+            tok = load_tokenizer(d.tokenizer)
+            self.tokenizer, self.vocab_size, self.eos_id = tok.spec, tok.vocab_size, tok.eos_id
+            args = (tok, d.seq_len, d.seed, d.mqar.min_pairs, d.mqar.max_pairs)
+            self.train = MQARWindows(*args)
+            val = MQARWindows(*args, split="val")
+        elif d.path:
             meta = read_meta(d.path)
             self.tokenizer, self.vocab_size, self.eos_id = meta["tokenizer"], meta["vocab_size"], meta["eos_id"]
-            self.train: Windows = store_windows(d.path, "train", d.seq_len)
-            val: Windows = store_windows(d.path, "val", d.seq_len)
+            self.train = store_windows(d.path, "train", d.seq_len)
+            val = store_windows(d.path, "val", d.seq_len)
         else:
             tok = load_tokenizer(d.tokenizer)
             self.tokenizer, self.vocab_size, self.eos_id = tok.spec, tok.vocab_size, tok.eos_id

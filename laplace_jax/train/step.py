@@ -73,10 +73,20 @@ def make_optimizer(opt: Any, steps: int, mesh: jax.sharding.Mesh | None = None, 
     return optax.chain(optax.clip_by_global_norm(opt.clip_norm), core), sched
 
 
+NO_LOSS = 1 << 30  # a data source ORs this into a token id to keep it out of the loss as a target
+
+
 def loss_fn(model: ModelConfig, params: Any, batch_BxT1: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy (fp32) of windows [B, T + 1]."""
-    logits = forward(model, params, batch_BxT1[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch_BxT1[:, 1:]).mean()
+    """Mean next-token cross-entropy (fp32) of windows [B, T + 1] over the targets without ``NO_LOSS``.
+
+    Text corpora flag nothing (every target counts); synthetic tasks such as MQAR flag their prompt
+    tokens so that only answers are trained. The model always sees the plain ids.
+    """
+    tokens_BxT1 = batch_BxT1 & (NO_LOSS - 1)
+    logits = forward(model, params, tokens_BxT1[:, :-1])
+    ce_BxT = optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxT1[:, 1:])
+    weight_BxT = ((batch_BxT1[:, 1:] & NO_LOSS) == 0).astype(ce_BxT.dtype)
+    return (ce_BxT * weight_BxT).sum() / jnp.maximum(weight_BxT.sum(), 1.0)
 
 
 def init_state(params: Any, tx: optax.GradientTransformation) -> State:
