@@ -15,6 +15,7 @@ import torch
 from laplace_jax import ModelConfig, init_params
 from laplace_jax.checkpoint import save_model
 from laplace_jax.data.prepare import prepare
+from laplace_jax.data.store import DataError
 from laplace_jax.data.synthetic import MQARWindows
 from laplace_jax.data.tokenizer import ByteTokenizer
 from laplace_jax.eval.__main__ import main as eval_main
@@ -68,7 +69,7 @@ def test_mqar_training_windows_train_only_answers_and_are_deterministic():
         assert full and all(pairs[k] == v for k, v in (q.split(":") for q in full))
         # the loss-bearing tokens are exactly the answers' digits (the last one may be cut short)
         assert runs == [q.split(":")[1] for q in queries if ":" in q and q.split(":")[1]]
-    with pytest.raises(Exception, match="does not fit"):
+    with pytest.raises(DataError, match="does not fit"):
         MQARWindows(tok, 64, 0, 1, 40)
 
 
@@ -209,3 +210,20 @@ def test_short_recall_training_beats_chance(tmp_path):
     acc = np.mean([r["accuracy"] for r in res.values()])
     assert acc >= 0.3, res
     assert (out / "recall_mqar.png").stat().st_size > 0 and (out / "recall_mqar_curves.png").stat().st_size > 0
+
+
+def test_data_source_typos_are_clear_errors():
+    from laplace_jax.cli import UserError
+    from laplace_jax.config import model_config
+    from laplace_jax.defaults import base_config
+    from laplace_jax.train.loop import Data
+
+    cfg = base_config()
+    cfg.model.update(vocab_size=256, d_model=64, n_layers=1, n_heads=1)
+    cfg.data.source = "mqr"
+    with pytest.raises(UserError, match="'text' or 'mqar'"):
+        Data(cfg, model_config(cfg))
+    cfg.data.update(source="mqar", seq_len=32)
+    cfg.data.mqar.update(min_pairs=1, max_pairs=20)
+    with pytest.raises(DataError, match=r"does not fit data\.seq_len=32"):
+        Data(cfg, model_config(cfg))

@@ -47,7 +47,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if name == "recall":
             p.add_argument("--suite", choices=["mqar", "passkey"], default="mqar")
             p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024], help="context lengths (tokens)")
-            p.add_argument("--levels", type=float, nargs="+", default=[4, 16, 64], help="N pairs or depths")
+            p.add_argument(
+                "--levels",
+                type=float,
+                nargs="+",
+                default=None,
+                help="N pairs (mqar: 4 16 64) or depths (passkey: 0 0.5 1)",
+            )
             p.add_argument("--samples", type=int, default=16, help="samples per cell")
             p.add_argument("--seed", type=int, default=0)
         if name == "numerics":
@@ -63,6 +69,9 @@ def check_recall_args(a: argparse.Namespace, cfg) -> None:
     """Reject grids the model or the task cannot take, before any compile."""
     from laplace_jax.cli import UserError
     from laplace_jax.eval.recall import max_pairs
+
+    if a.levels is None:
+        a.levels = [4, 16, 64] if a.suite == "mqar" else [0.0, 0.5, 1.0]
 
     if min(a.lengths) < 16 or max(a.lengths) > cfg.max_seq_len:
         raise UserError(
