@@ -32,8 +32,7 @@ class MQARWindows:
         self.tokenizer, self.seq_len, self.seed = tokenizer, seq_len, seed
         self.min_pairs, self.max_pairs, self._size = min_pairs, max_pairs, size
         self._stream = {"train": 0, "val": 1}[split]  # disjoint random streams per split
-        try:
-            self[0]
+        try:  # the most pairs is the tightest fit
             mqar_training_segments(np.random.default_rng(0), seq_len + 1, max_pairs, self._measure)
         except ValueError as e:
             raise DataError(f"data.mqar.max_pairs={max_pairs} does not fit data.seq_len={seq_len}: {e}") from e

@@ -62,16 +62,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             p.add_argument("--data", required=True, help="directory written by laplace_jax.data.prepare")
             p.add_argument("--split", default="val")
             p.add_argument("--batches", type=int, default=16, help="batches of 4 windows")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.cmd == "recall" and a.levels is None:
+        a.levels = [4.0, 16.0, 64.0] if a.suite == "mqar" else [0.0, 0.5, 1.0]
+    return a
 
 
 def check_recall_args(a: argparse.Namespace, cfg) -> None:
     """Reject grids the model or the task cannot take, before any compile."""
     from laplace_jax.cli import UserError
     from laplace_jax.eval.recall import max_pairs
-
-    if a.levels is None:
-        a.levels = [4, 16, 64] if a.suite == "mqar" else [0.0, 0.5, 1.0]
 
     if min(a.lengths) < 16 or max(a.lengths) > cfg.max_seq_len:
         raise UserError(
