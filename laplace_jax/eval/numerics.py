@@ -16,11 +16,11 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from laplace_jax.config import ModelConfig
-from laplace_jax.models.gla_lm import decode_step, forward, prefill
+from laplace_jax.generate import sample
+from laplace_jax.models.gla_lm import forward
 from laplace_jax.platform import median_seconds
 
 
@@ -31,17 +31,6 @@ def compare(ref: np.ndarray, out: np.ndarray) -> dict[str, float]:
         "rms_rel": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
         "argmax_agree": float(np.mean(np.argmax(out, -1) == np.argmax(ref, -1))),
     }
-
-
-def greedy(cfg: ModelConfig, params: Any, prompt: np.ndarray, steps: int) -> list[int]:
-    logits, state = jax.jit(prefill, static_argnums=0)(cfg, params, jnp.asarray(prompt)[None])
-    step = jax.jit(decode_step, static_argnums=0)
-    out, last = [], logits[:, -1]
-    for _ in range(steps):
-        t = jnp.argmax(last, -1).astype(jnp.int32)
-        out.append(int(t[0]))
-        last, state = step(cfg, params, t, state)
-    return out
 
 
 def report(cfg: ModelConfig, params: Any, tokens_BxT: np.ndarray, decode_steps: int = 32) -> dict[str, Any]:
@@ -55,8 +44,9 @@ def report(cfg: ModelConfig, params: Any, tokens_BxT: np.ndarray, decode_steps: 
         eager = np.asarray(forward(fp32, params, tokens_BxT))
         eager16 = np.asarray(forward(bf16_cfg, params, tokens_BxT))
     rec = np.asarray(fwd(dataclasses.replace(fp32, attn_impl="recurrent"), params, tokens_BxT))
-    g32 = greedy(fp32, params, tokens_BxT[0], decode_steps)
-    g16 = greedy(bf16_cfg, params, tokens_BxT[0], decode_steps)
+    prompt = tokens_BxT[0].tolist()
+    g32 = sample(fp32, params, prompt, decode_steps, temperature=0.0)
+    g16 = sample(bf16_cfg, params, prompt, decode_steps, temperature=0.0)
     first = next((i for i, (a, b) in enumerate(zip(g32, g16, strict=True)) if a != b), None)
     speed = {
         c.dtype: tokens_BxT.size / median_seconds(lambda c=c: fwd(c, params, tokens_BxT).block_until_ready(), 5, 1)
