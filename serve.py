@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 
@@ -45,7 +46,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=1.0, help="default sampling temperature")
     ap.add_argument("--top-p", type=float, default=1.0, help="default top-p")
     ap.add_argument("--max-tokens", type=int, default=16, help="default max_tokens")
-    return ap.parse_args(argv)
+    ap.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $LAPLACE_API_KEY; unset = no auth)",
+    )
+    ap.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics too")
+    ap.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="SIGTERM bound in seconds: new requests are refused at once, running ones finish or end with "
+        "finish_reason 'length' before this, then the process exits",
+    )
+    ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body cap (413 above it)")
+    a = ap.parse_args(argv)
+    a.api_key = a.api_key or os.environ.get("LAPLACE_API_KEY") or None
+    if a.drain_timeout <= 0 or a.max_body_bytes <= 0:
+        ap.error("--drain-timeout and --max-body-bytes must be positive")
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,13 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         from laplace_jax.platform import set_compile_cache
 
         set_compile_cache(a.compile_cache_dir)
-    import uvicorn
-
     from laplace_jax.cli import UserError
     from laplace_jax.serve.engine import Engine, SamplingParams
     from laplace_jax.serve.loading import load_for_serving, newest_workdir
     from laplace_jax.serve.metrics import ServeMetrics
-    from laplace_jax.serve.server import Server
+    from laplace_jax.serve.server import Server, make_uvicorn
 
     try:
         path = a.checkpoint or newest_workdir()
@@ -92,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         tok,
         a.model_name or name,
         SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p),
+        api_key=a.api_key,
+        protect_metrics=a.protect_metrics,
+        max_body_bytes=a.max_body_bytes,
+        drain_timeout=a.drain_timeout,
     )
     print(
         f"serving {path} as {server.model_name!r} on http://{a.host}:{a.port} ({cfg.dtype} compute"
@@ -101,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         f"  state per sequence {engine.state_bytes:,} B x {engine.S} slots = {engine.state_bytes * engine.S:,} B "
         f"reserved; decode buckets {engine.buckets or 'exact (compiled on demand)'}; prefill chunk {engine.P}"
     )
-    uvicorn.run(server.app, host=a.host, port=a.port, log_level="warning")
+    guarded = "/v1/* and /metrics" if a.protect_metrics else "/v1/*"
+    print(f"  auth: {f'API key required on {guarded}' if a.api_key else 'off (no --api-key)'}")
+    make_uvicorn(server, a.host, a.port).run()
     return 0
 
 

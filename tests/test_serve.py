@@ -8,49 +8,10 @@ import threading
 import time
 
 import httpx
-import jax
-import jax.numpy as jnp
 import numpy as np
-import openai
 import portpicker
 import pytest
-
-from laplace_jax import ModelConfig, decode_step, init_params, init_state
-from laplace_jax.data.tokenizer import ByteTokenizer
-from laplace_jax.serve.engine import Engine
-from laplace_jax.serve.metrics import ServeMetrics
-from laplace_jax.serve.server import BackgroundServer, Server
-
-CFG = ModelConfig(
-    vocab_size=256, d_model=64, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.3, max_seq_len=512
-)
-PARAMS = init_params(CFG, jax.random.key(0))
-TOK = ByteTokenizer()
-
-
-def reference_greedy(ids, n):
-    """The model's own recurrent path: decode_step over the prompt, then argmax until EOS or n tokens."""
-    step = jax.jit(decode_step, static_argnums=0)
-    state = init_state(CFG, 1)
-    for t in ids:
-        logits, state = step(CFG, PARAMS, jnp.asarray([t]), state)
-    out = []
-    for _ in range(n):
-        t = int(jnp.argmax(logits[0]))
-        if t == TOK.eos_id:
-            break
-        out.append(t)
-        logits, state = step(CFG, PARAMS, jnp.asarray([t]), state)
-    return out
-
-
-class Running(BackgroundServer):
-    def __init__(self, **engine_kw):
-        self.engine = Engine(CFG, PARAMS, eos_id=TOK.eos_id, metrics=ServeMetrics(), max_model_len=512, **engine_kw)
-        super().__init__(Server(self.engine, TOK, "tiny"), portpicker.pick_unused_port())
-
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+from serving_helpers import CFG, PARAMS, TOK, Running, reference_greedy
 
 
 @pytest.fixture(scope="module")
@@ -112,14 +73,13 @@ def test_forty_staggered_requests(srv):
         t.join(300)
     for i, (ids, n) in enumerate(jobs):
         assert results[i]["choices"][0]["text"] == TOK.decode(reference_greedy(ids, n)), i
-    compiles = srv.engine.compiles
-    assert sum(v for (_, _, phase), v in compiles.items() if phase == "serving") == 0
+    assert srv.engine.compiles.total("serving") == 0
     used = {
         int(line.split('bucket="')[1].split('"')[0])
         for line in httpx.get(srv.url + "/metrics").text.splitlines()
         if line.startswith("laplace:decode_steps_total{")
     }
-    assert used <= {w for (name, w, _) in compiles if name == "decode"}
+    assert used <= set(srv.engine.buckets)
 
 
 def test_disconnect_frees_slot(srv):
@@ -252,57 +212,82 @@ def test_bench_tool_against_the_server(srv, tmp_path):
     assert res["output_throughput"] > 0 and res["tpot_s"]["p99"] >= res["tpot_s"]["median"] > 0
 
 
-@pytest.mark.slow
-def test_sigterm_drains_in_flight_requests(tmp_path):
-    import signal
-
+def start_serve_py(tmp_path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """serve.py on the tiny model in a subprocess; returns once /health says ready."""
     from laplace_jax.checkpoint import save_model
 
     save_model(str(tmp_path / "m"), CFG, PARAMS)
     port = portpicker.pick_unused_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    args = ["--checkpoint", str(tmp_path / "m"), "--tokenizer", "byte", "--port", str(port), "--max-num-seqs", "2"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "serve.py",
-            "--checkpoint",
-            str(tmp_path / "m"),
-            "--tokenizer",
-            "byte",
-            "--port",
-            str(port),
-            "--max-num-seqs",
-            "2",
-            "--steps-per-call",
-            "1",
-            "--exact",  # exercises that switch end to end as well
-        ],
+        [sys.executable, "serve.py", *args, "--steps-per-call", "1", *extra],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"serve.py did not become ready: {proc.stderr.read()[-2000:]}")
+
+
+def stream_then_sigterm(proc, url: str, body: dict) -> tuple[list[str], float]:
+    """Stream ``body``; send SIGTERM after 3 lines. Returns (lines, seconds from SIGTERM to the end)."""
+    import signal
+
+    lines, t_sig = [], None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+            if len(lines) == 3:
+                proc.send_signal(signal.SIGTERM)
+                t_sig = time.perf_counter()
+    return lines, time.perf_counter() - t_sig
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_requests(tmp_path):
+    import signal
+
+    proc, url = start_serve_py(tmp_path, "--exact")  # exercises that switch end to end as well
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        lines = []
         body = {"model": "m", "prompt": "abc", "max_tokens": 300, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 3:
-                    proc.send_signal(signal.SIGTERM)
+        lines, _ = stream_then_sigterm(proc, url, body)
         assert lines[-1] == "data: [DONE]"
         finished = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert finished[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM once it has drained
         assert "(float32 compute, exact)" in proc.stdout.read()
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_is_bounded_by_the_drain_timeout(tmp_path):
+    """A request that would run for minutes ends cleanly at the deadline, and the process exits."""
+    import signal
+
+    proc, url = start_serve_py(tmp_path, "--drain-timeout", "2", "--max-model-len", "100000")
+    try:
+        body = {"model": "m", "prompt": "abc", "max_tokens": 90_000, "stream": True, "ignore_eos": True}
+        body["stream_options"] = {"include_usage": True}
+        lines, seconds = stream_then_sigterm(proc, url, body)
+        t0 = time.perf_counter()
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+        exit_seconds = seconds + time.perf_counter() - t0
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"  # the last text chunk; then usage
+        assert chunks[-1]["usage"]["completion_tokens"] < 90_000
+        assert seconds < 2.0 and exit_seconds < 5.0, (seconds, exit_seconds)
     finally:
         proc.kill()

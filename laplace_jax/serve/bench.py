@@ -9,6 +9,13 @@ are gamma-distributed (shape = burstiness; 1 = Poisson), drawn in advance and re
 num_prompts / rate. Streams every request and reports TTFT, TPOT = (E2EL - TTFT) / (out - 1),
 ITL (gaps between streamed chunks) and E2EL: mean, median, p90, p99; request, output-token and
 total-token throughput.
+
+    python -m laplace_jax.serve.bench --soak --model tiny --num-prompts 2000 --max-concurrency 32 \\
+        [--server-pid PID] --out soak.json
+
+``--soak`` runs the robustness soak instead (``laplace_jax/serve/soak.py``): random valid
+parameters, 20% of clients leaving mid-stream, 5% invalid bodies; it reports errors by kind,
+leaked slots, compiles after warmup and (with the server's PID) its RSS growth.
 """
 
 from __future__ import annotations
@@ -148,11 +155,42 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON result here")
+    ap.add_argument("--soak", action="store_true", help="run the robustness soak (see the module docstring)")
+    ap.add_argument("--server-pid", type=int, default=None, help="with --soak: measure this process's RSS growth")
     return ap.parse_args(argv)
+
+
+def soak_main(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from laplace_jax.serve.soak import run_soak
+
+    with tqdm(total=args.num_prompts, desc="soak", unit="req") as bar:
+        res = asyncio.run(
+            run_soak(
+                args.base_url,
+                args.model,
+                args.num_prompts,
+                args.max_concurrency or 32,
+                args.vocab_size,
+                args.seed,
+                args.server_pid,
+                progress=lambda: bar.update(1),
+            )
+        )
+    text = json.dumps(res, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+    clean = res["errors_total"] == 0 and res["leaked_slots"] == 0 and res["compiles_after_warmup"] == 0
+    return 0 if clean and res["health_after"] == 200 else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.soak:
+        return soak_main(args)
     res = asyncio.run(run(args))
     text = json.dumps(res, indent=2)
     if args.out:

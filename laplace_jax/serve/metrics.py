@@ -28,8 +28,15 @@ class ServeMetrics:
         self.step_seconds = Histogram(
             p + "decode_step_seconds", "Seconds per decode call by bucket", ["bucket"], buckets=_LAT, registry=r
         )
-        self.compiles = Counter(p + "compiles_total", "XLA compilations", ["function", "bucket", "phase"], registry=r)
+        self.compiles = Counter(
+            p + "compiles_total",
+            "XLA compilations on the engine thread (JAX's events)",
+            ["phase", "function"],
+            registry=r,
+        )
         self.compile_seconds = Counter(p + "compile_seconds_total", "Seconds spent compiling", ["phase"], registry=r)
+        self.restarts = Counter(p + "engine_restarts_total", "Device-loop failures recovered by a restart", registry=r)
+        self.errors = Counter(p + "request_errors_total", "Requests ended by an error, by kind", ["kind"], registry=r)
         self.cache_hits = Counter(p + "compile_cache_hits_total", "Persistent compile cache hits", registry=r)
         self.cache_misses = Counter(p + "compile_cache_misses_total", "Persistent compile cache misses", registry=r)
         jax.monitoring.register_event_listener(self._on_event)
@@ -41,8 +48,8 @@ class ServeMetrics:
             self.cache_misses.inc()
 
     # Engine callbacks (engine thread).
-    def on_compile(self, name: str, width: int, phase: str, seconds: float) -> None:
-        self.compiles.labels(name, str(width), phase).inc()
+    def on_compile(self, phase: str, function: str, seconds: float) -> None:
+        self.compiles.labels(phase, function).inc()
         self.compile_seconds.labels(phase).inc(seconds)
 
     def on_first_token(self, req) -> None:

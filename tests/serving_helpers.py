@@ -1,0 +1,46 @@
+"""A tiny served model, its reference greedy decode, and a server on a loopback port (serving tests)."""
+
+import jax
+import jax.numpy as jnp
+import openai
+import portpicker
+
+from laplace_jax import ModelConfig, decode_step, init_params, init_state
+from laplace_jax.data.tokenizer import ByteTokenizer
+from laplace_jax.serve.engine import Engine
+from laplace_jax.serve.metrics import ServeMetrics
+from laplace_jax.serve.server import BackgroundServer, Server
+
+CFG = ModelConfig(
+    vocab_size=256, d_model=64, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.3, max_seq_len=512
+)
+PARAMS = init_params(CFG, jax.random.key(0))
+TOK = ByteTokenizer()
+
+
+def reference_greedy(ids, n, eos_id=TOK.eos_id):
+    """The model's own recurrent path: decode_step over the prompt, then argmax until EOS or n tokens."""
+    step = jax.jit(decode_step, static_argnums=0)
+    state = init_state(CFG, 1)
+    for t in ids:
+        logits, state = step(CFG, PARAMS, jnp.asarray([t]), state)
+    out = []
+    for _ in range(n):
+        t = int(jnp.argmax(logits[0]))
+        if t == eos_id:
+            break
+        out.append(t)
+        logits, state = step(CFG, PARAMS, jnp.asarray([t]), state)
+    return out
+
+
+class Running(BackgroundServer):
+    """The tiny model served as "tiny"; ``server_kw`` go to ``Server``, the rest to ``Engine``."""
+
+    def __init__(self, tokenizer=TOK, server_kw=None, eos_id=TOK.eos_id, **engine_kw):
+        engine_kw.setdefault("max_model_len", 512)
+        self.engine = Engine(CFG, PARAMS, eos_id=eos_id, metrics=ServeMetrics(), **engine_kw)
+        super().__init__(Server(self.engine, tokenizer, "tiny", **(server_kw or {})), portpicker.pick_unused_port())
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)

@@ -1,0 +1,91 @@
+"""On-device sampling on a fixed distribution: greedy limits, top-k / top-p supports and frequencies."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from laplace_jax.serve.engine import InvalidParamError, SamplingParams, prng_key_data
+from laplace_jax.serve.sampling import sample_rows
+
+PROBS = np.array([0.30, 0.22, 0.16, 0.12, 0.09, 0.06, 0.03, 0.02])  # sorted, distinct
+LOGITS = np.log(PROBS)[np.random.default_rng(0).permutation(8)]  # shuffled so order is not by index
+N = 20_000
+
+
+def draw(temperature=1.0, top_k=0, top_p=1.0, n=N, logits=LOGITS) -> np.ndarray:
+    keys = jax.random.split(jax.random.key(0), n)
+    rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, len(logits)))
+    f = jax.jit(sample_rows)
+    full = lambda v, dt: jnp.full((n,), v, dt)  # noqa: E731
+    return np.asarray(f(rows, full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32), keys))
+
+
+def expected(support: np.ndarray) -> np.ndarray:
+    p = np.where(support, np.exp(LOGITS), 0.0)
+    return p / p.sum()
+
+
+def check_frequencies(tokens: np.ndarray, want: np.ndarray) -> None:
+    freq = np.bincount(tokens, minlength=len(want)) / len(tokens)
+    assert np.all(freq[want == 0] == 0), "a token outside the support was drawn"
+    # binomial standard error at N=20k is <= 0.0035: 5 sigma
+    np.testing.assert_allclose(freq, want, atol=0.018)
+
+
+def test_greedy_limits_equal_argmax():
+    best = int(np.argmax(LOGITS))
+    assert set(draw(temperature=0.0, n=64)) == {best}
+    assert set(draw(top_k=1, n=2000)) == {best}
+    assert set(draw(top_p=1e-6, n=2000)) == {best}
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_top_k_draws_stay_in_the_top_k_with_renormalised_frequencies(k):
+    rank = np.argsort(np.argsort(-LOGITS))  # 0 = most likely
+    check_frequencies(draw(top_k=k), expected(rank < k))
+
+
+@pytest.mark.parametrize("p", [0.5, 0.7, 0.9])
+def test_top_p_keeps_the_smallest_prefix_reaching_p(p):
+    order = np.argsort(-LOGITS)
+    mass_before = np.cumsum(PROBS) - PROBS  # PROBS is sorted like order
+    support = np.zeros(8, bool)
+    support[order[mass_before < p]] = True
+    check_frequencies(draw(top_p=p), expected(support))
+
+
+def test_temperature_sharpens_like_the_scaled_softmax():
+    t = 0.5
+    want = np.exp(LOGITS / t) / np.exp(LOGITS / t).sum()
+    check_frequencies(draw(temperature=t), want)
+
+
+def test_host_key_data_matches_jax_random_key():
+    for seed in (0, 1, 12345, 2**31 - 1):
+        np.testing.assert_array_equal(prng_key_data(seed), jax.random.key_data(jax.random.key(seed)))
+    np.testing.assert_array_equal(prng_key_data(2**63 - 1), [0x7FFFFFFF, 0xFFFFFFFF])
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", 0),
+        ("temperature", -0.5),
+        ("temperature", 2.5),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_k", -1),
+        ("top_k", 257),
+        ("seed", -1),
+        ("seed", 2**63),
+        ("stop_token_ids", (256,)),
+        ("stop_token_ids", tuple(range(16))),
+    ],
+)
+def test_sampling_params_reject_out_of_range_values(field, value):
+    with pytest.raises(InvalidParamError) as e:
+        SamplingParams(**{field: value}).check(vocab_size=256)
+    assert e.value.param == field
+    SamplingParams(top_k=256, seed=2**63 - 1, temperature=2.0, stop_token_ids=tuple(range(15))).check(256)
