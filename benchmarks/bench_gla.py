@@ -1,22 +1,33 @@
-"""chunk_gla throughput vs this machine's fp32 matmul peak, vs recurrent_gla, and a chunk-size sweep.
+"""GLA kernel roofline: chunk_gla (per chunk size) and recurrent_gla against this device's peaks.
 
-    python -m benchmarks.bench_gla [--B 4 --T 2048 --H 4 --K 128 --V 256] [--out results/gla_cpu.json]
+    python -m benchmarks.bench_gla [--B 4 --T 2048 --H 4 --K 128 --V 256] [--dtype float32] \\
+        --out benchmarks/results/gla_cpu.json
 
-FLOPs counted: the dense matmuls the chunk form performs, per (batch, head, chunk of C tokens):
-2*C*C*K (scores) + 2*C*C*V (scores @ v) + 2*C*K*V (q @ state) + 2*C*K*V (k^T v). Backward is
-counted as 2x forward, so forward+backward = 3x. Elementwise work (decays) is not counted.
+For each implementation and pass (forward; forward+backward) it reports the median time, the
+FLOPs and the minimal memory traffic, and the achieved fraction of each roofline:
+- FLOPs: the dense matmuls of the chunk form, per (batch, head, chunk of C tokens)
+  2*C*C*K (scores) + 2*C*C*V (scores @ v) + 2*C*K*V (q @ state) + 2*C*K*V (k^T v);
+  forward+backward counts 3x the forward. Elementwise decay work is not counted.
+- minimal bytes: what any implementation must move: forward reads q, k, v, g and writes o;
+  backward also reads do and writes dq, dk, dv, dg (the saved chunk states are not counted).
+- peaks: a 2048^3 matmul in the benchmark dtype (FLOP/s) and a large elementwise copy
+  (bytes read + written per second), both measured in the same run.
+
+``--baseline FILE`` also times the ``chunk_gla`` of another version of ``ops/gla.py`` side by side
+(e.g. ``git show REV:laplace_jax/ops/gla.py > /tmp/gla_before.py``), at chunk size 128.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import platform
+import sys
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import batched_matmul_gflops, matmul_gflops, median_seconds
+from benchmarks.common import matmul_gflops, median_seconds, write_result
 from laplace_jax.ops.gla import chunk_gla, recurrent_gla
 
 
@@ -25,79 +36,97 @@ def gla_flops(B: int, T: int, H: int, K: int, V: int, C: int) -> float:
     return B * H * n * (2 * C * C * K + 2 * C * C * V + 4 * C * K * V)
 
 
-def main() -> None:
+def min_bytes(B: int, T: int, H: int, K: int, V: int, itemsize: int) -> tuple[float, float]:
+    """(forward, forward+backward) minimal traffic in bytes; g is float32."""
+    qk, v, g = 2 * B * T * H * K * itemsize, B * T * H * V * itemsize, B * T * H * K * 4
+    fwd = qk + v + g + v  # read q, k, v, g; write o
+    bwd = qk + v + g + v + (qk + v + g)  # read q, k, v, g, do; write dq, dk, dv, dg
+    return fwd, fwd + bwd
+
+
+def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Bytes read + written per second by a jitted elementwise op over ``n_bytes``."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x * 1.0001)
+    return 2 * n_bytes / median_seconds(lambda: f(x), repeats)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in (("B", 4), ("T", 2048), ("H", 4), ("K", 128), ("V", 256)):
         ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="q, k, v dtype")
+    ap.add_argument("--chunk-sizes", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--baseline", default=None, help="another ops/gla.py whose chunk_gla is timed side by side")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    dt = jnp.dtype(a.dtype)
     ks = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(ks[0], (a.B, a.T, a.H, a.K))
-    k = jax.random.normal(ks[1], (a.B, a.T, a.H, a.K))
-    v = jax.random.normal(ks[2], (a.B, a.T, a.H, a.V))
+    q = jax.random.normal(ks[0], (a.B, a.T, a.H, a.K), dt)
+    k = jax.random.normal(ks[1], (a.B, a.T, a.H, a.K), dt)
+    v = jax.random.normal(ks[2], (a.B, a.T, a.H, a.V), dt)
     g = jax.nn.log_sigmoid(jax.random.normal(ks[3], (a.B, a.T, a.H, a.K))) / 16
 
     def fwd(fn):
         return jax.jit(lambda q, k, v, g: fn(q, k, v, g)[0])
 
     def fwd_bwd(fn):
-        return jax.jit(jax.grad(lambda q, k, v, g: jnp.sum(fn(q, k, v, g)[0]), argnums=(0, 1, 2, 3)))
+        return jax.jit(
+            jax.grad(lambda q, k, v, g: jnp.sum(fn(q, k, v, g)[0].astype(jnp.float32)), argnums=(0, 1, 2, 3))
+        )
 
-    peak = matmul_gflops(repeats=a.repeats)
-    batched = batched_matmul_gflops(batch=a.B * a.H * -(-a.T // 128), k=a.K, n=a.V, repeats=a.repeats)
+    peak = matmul_gflops(dtype=dt, repeats=a.repeats) * 1e9
+    bw = copy_bandwidth(repeats=a.repeats)
+    b_fwd, b_fb = min_bytes(a.B, a.T, a.H, a.K, a.V, dt.itemsize)
     res = {
         "device": jax.devices()[0].device_kind,
         "platform": platform.processor() or platform.machine(),
-        "shape": dict(B=a.B, T=a.T, H=a.H, K=a.K, V=a.V),
-        "matmul_fp32_gflops": peak,
-        "batched_matmul_fp32_gflops": batched,
-        "chunk": {},
+        "jax": jax.__version__,
+        "shape": dict(B=a.B, T=a.T, H=a.H, K=a.K, V=a.V, dtype=a.dtype),
+        "matmul_peak_flops": peak,
+        "copy_bandwidth_bytes_per_s": bw,
+        "min_bytes": {"fwd": b_fwd, "fwd_bwd": b_fb},
+        "impls": {},
     }
-    for C in (64, 128, 256):
-        fn = lambda q, k, v, g, C=C: chunk_gla(q, k, v, g, chunk_size=C)  # noqa: E731
+
+    def measure(name: str, fn, flops: float, repeats: int) -> None:
         f, fb = fwd(fn), fwd_bwd(fn)
-        t_f = median_seconds(lambda f=f: f(q, k, v, g), a.repeats)
-        t_fb = median_seconds(lambda fb=fb: fb(q, k, v, g), a.repeats)
-        fl = gla_flops(a.B, a.T, a.H, a.K, a.V, C)
-        res["chunk"][C] = {
+        t_f = median_seconds(lambda: f(q, k, v, g), repeats)
+        t_fb = median_seconds(lambda: fb(q, k, v, g), repeats)
+        res["impls"][name] = {
             "fwd_s": t_f,
             "fwd_bwd_s": t_fb,
-            "fwd_gflops": fl / t_f / 1e9,
-            "fwd_bwd_gflops": 3 * fl / t_fb / 1e9,
+            "fwd_flops": flops,
+            "fwd_fraction_of_flop_peak": flops / t_f / peak,
+            "fwd_bwd_fraction_of_flop_peak": 3 * flops / t_fb / peak,
+            "fwd_fraction_of_bandwidth": b_fwd / t_f / bw,
+            "fwd_bwd_fraction_of_bandwidth": b_fb / t_fb / bw,
         }
-    f, fb = fwd(recurrent_gla), fwd_bwd(recurrent_gla)
-    res["recurrent"] = {
-        "fwd_s": median_seconds(lambda: f(q, k, v, g), 3, 1),
-        "fwd_bwd_s": median_seconds(lambda: fb(q, k, v, g), 3, 1),
-    }
-    c128 = res["chunk"][128]
-    res["summary"] = {
-        "fwd_bwd_fraction_of_matmul_peak_C128": c128["fwd_bwd_gflops"] / peak,
-        "fwd_fraction_of_matmul_peak_C128": c128["fwd_gflops"] / peak,
-        "speedup_over_recurrent_fwd_C128": res["recurrent"]["fwd_s"] / c128["fwd_s"],
-        "speedup_over_recurrent_fwd_bwd_C128": res["recurrent"]["fwd_bwd_s"] / c128["fwd_bwd_s"],
-    }
-    print(
-        f"fp32 matmul peak (2048^3): {peak:.1f} GFLOP/s on {res['device']}; "
-        f"batched 128x{a.K}x{a.V} matmuls: {batched:.1f} GFLOP/s"
-    )
-    print(f"{'C':>5} {'fwd ms':>9} {'fwd GF/s':>9} {'f+b ms':>9} {'f+b GF/s':>9} {'f+b % peak':>10}")
-    for C, r in res["chunk"].items():
+        print(f"  {name:<12} fwd {t_f * 1e3:8.1f} ms   f+b {t_fb * 1e3:8.1f} ms", flush=True)
+
+    print(f"peaks: matmul {peak / 1e9:.1f} GFLOP/s ({a.dtype}), copy {bw / 1e9:.1f} GB/s on {res['device']}")
+    for C in a.chunk_sizes:
+        fn = lambda q, k, v, g, C=C: chunk_gla(q, k, v, g, chunk_size=C)  # noqa: E731
+        measure(f"chunk{C}", fn, gla_flops(a.B, a.T, a.H, a.K, a.V, C), a.repeats)
+    if a.baseline:
+        spec = importlib.util.spec_from_file_location("gla_baseline", a.baseline)
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+        measure("baseline128", base.chunk_gla, gla_flops(a.B, a.T, a.H, a.K, a.V, 128), a.repeats)
+    measure("recurrent", recurrent_gla, gla_flops(a.B, a.T, a.H, a.K, a.V, 128), 3)
+    rec = res["impls"]["recurrent"]
+    print(f"{'impl':<12} {'fwd ms':>8} {'f+b ms':>8} {'f+b %FLOP':>10} {'f+b %BW':>8} {'f+b vs recurrent':>17}")
+    for name, r in res["impls"].items():
+        r["fwd_bwd_speedup_over_recurrent"] = rec["fwd_bwd_s"] / r["fwd_bwd_s"]
         print(
-            f"{C:>5} {r['fwd_s'] * 1e3:>9.1f} {r['fwd_gflops']:>9.1f} {r['fwd_bwd_s'] * 1e3:>9.1f} "
-            f"{r['fwd_bwd_gflops']:>9.1f} {100 * r['fwd_bwd_gflops'] / peak:>9.1f}%"
+            f"{name:<12} {r['fwd_s'] * 1e3:>8.1f} {r['fwd_bwd_s'] * 1e3:>8.1f} "
+            f"{100 * r['fwd_bwd_fraction_of_flop_peak']:>9.1f}% {100 * r['fwd_bwd_fraction_of_bandwidth']:>7.1f}% "
+            f"{r['fwd_bwd_speedup_over_recurrent']:>16.1f}x"
         )
-    rec = res["recurrent"]
-    print(
-        f"recurrent: fwd {rec['fwd_s'] * 1e3:.1f} ms, f+b {rec['fwd_bwd_s'] * 1e3:.1f} ms; chunk(128) speedup "
-        f"fwd {res['summary']['speedup_over_recurrent_fwd_C128']:.1f}x, "
-        f"f+b {res['summary']['speedup_over_recurrent_fwd_bwd_C128']:.1f}x"
-    )
-    if a.out:
-        with open(a.out, "w") as fh:
-            json.dump(res, fh, indent=2)
+    write_result(res, "bench_gla", argv, a.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

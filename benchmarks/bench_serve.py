@@ -1,7 +1,7 @@
 """Serving benchmarks on this machine: throughput and TPOT vs concurrency, context-length
 flatness, compile share with buckets vs exact widths, cold vs warm time to ready.
 
-    python -m benchmarks.bench_serve [--configs tiny small_100m] [--quick] --out benchmarks/results/serve_cpu.json
+    python -m benchmarks.bench_serve [--configs tiny small_100m] --out benchmarks/results/serve_cpu.json
 
 Models have random weights (throughput does not depend on them); requests use random token ids
 with ignore_eos so every request produces exactly output_len tokens. Each server runs in this

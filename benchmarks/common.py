@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+import json
+import sys
 
 from laplace_jax.platform import matmul_gflops, median_seconds
 
-__all__ = ["batched_matmul_gflops", "matmul_gflops", "median_seconds"]
+__all__ = ["matmul_gflops", "median_seconds", "write_result"]
 
 
-def batched_matmul_gflops(batch: int = 256, m: int = 128, k: int = 128, n: int = 256, repeats: int = 7) -> float:
-    """Throughput of a batch of small matmuls (the shape chunk_gla issues per chunk)."""
-    a = jax.random.normal(jax.random.key(0), (batch, m, k))
-    b = jax.random.normal(jax.random.key(1), (batch, k, n))
-    f = jax.jit(lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b))
-    return 2 * batch * m * k * n / median_seconds(lambda: f(a, b), repeats) / 1e9
+def write_result(res: dict, module: str, argv: list[str] | None, out: str | None) -> None:
+    """Record the command that produced ``res`` in it, and write it as JSON to ``out`` (if given)."""
+    res["command"] = f"python -m benchmarks.{module} " + " ".join(argv if argv is not None else sys.argv[1:])
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=2)
+            f.write("\n")

@@ -20,7 +20,7 @@ def get_config():
         mlp_dim=8192,
         chunk_size=128,
         dtype="bfloat16",
-        remat=True,
+        remat="full",
         max_seq_len=2048,
     )
     c.data.update(seq_len=2048, global_batch=256, tokenizer="gpt2")

@@ -12,7 +12,7 @@ def get_config():
         n_heads=4,
         chunk_size=128,
         max_seq_len=2048,
-        remat=True,
+        remat="full",
         dtype="bfloat16",
     )
     c.data.update(seq_len=2048, global_batch=256)

@@ -14,6 +14,9 @@ from typing import Any
 import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ATTN_IMPLS = ("chunk", "recurrent")
+# What a layer keeps for its backward (the rest is recomputed); see models/gla_lm.py REMAT_POLICIES.
+REMAT = ("none", "full", "save_dots", "save_gla")
 
 
 class ConfigError(ValueError):
@@ -27,7 +30,10 @@ class ModelConfig:
     d_model: hidden size; expand_k / expand_v: key / value width as a fraction of d_model;
     n_kv_heads: None for one kv head per query head (GQA when smaller); mlp_dim: None for
     fla's rule 256 * ceil(int(d * 8/3) / 256); chunk_size: tokens per chunk of the chunkwise
-    kernel; dtype: compute dtype (params stay float32, logits are float32).
+    kernel; dtype: compute dtype (params stay float32, logits are float32); remat: what each
+    layer keeps for the backward: "none" (everything), "full" (only its input), "save_dots"
+    (matmul outputs), "save_gla" (the GLA kernel's inputs and chunk states). True / False are
+    read as "full" / "none" (older configs).
     """
 
     vocab_size: int = 256
@@ -50,18 +56,22 @@ class ModelConfig:
     chunk_size: int = 128
     attn_impl: str = "chunk"
     dtype: str = "float32"
-    remat: bool = False
+    remat: str = "none"
     max_seq_len: int = 2048
 
     def __post_init__(self) -> None:
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.remat not in REMAT:
+            raise ConfigError(f"model.remat must be one of {', '.join(REMAT)}; got {self.remat!r}")
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "gate_low_rank_dim", "chunk_size")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive; got {getattr(self, name)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
-        if self.attn_impl not in ("chunk", "recurrent"):
-            raise ConfigError(f"model.attn_impl must be 'chunk' or 'recurrent'; got {self.attn_impl!r}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ConfigError(f"model.attn_impl must be one of {', '.join(ATTN_IMPLS)}; got {self.attn_impl!r}")
         if self.n_heads % self.kv_heads:
             raise ConfigError(
                 f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.kv_heads})"

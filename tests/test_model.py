@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from laplace_jax import ModelConfig, decode_step, forward, init_params, prefill
+from laplace_jax.config import ConfigError
 from laplace_jax.convert import load_fla
 from tests.torch_gla import GLAForCausalLM
 
@@ -120,8 +121,34 @@ def test_remat_and_recurrent_impl_give_same_logits():
     params = init_params(ModelConfig(**kw), jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 40), 0, 61)
     ref = forward(ModelConfig(**kw), params, tokens)
-    for extra in (dict(remat=True), dict(attn_impl="recurrent")):
+    for extra in (*(dict(remat=p) for p in ("full", "save_dots", "save_gla")), dict(attn_impl="recurrent")):
         np.testing.assert_allclose(forward(ModelConfig(**kw, **extra), params, tokens), ref, atol=1e-5)
+
+
+def test_remat_policies_give_the_same_gradients_and_keep_what_they_say():
+    kw = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1)
+    params = init_params(ModelConfig(**kw), jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 61)
+
+    def grads(remat):
+        loss = lambda p: jnp.sum(forward(ModelConfig(**kw, remat=remat), p, tokens) ** 2)  # noqa: E731
+        return jax.jit(jax.grad(loss))(params)
+
+    ref = grads("none")
+    for policy in ("full", "save_dots", "save_gla"):
+        for a, b in zip(jax.tree.leaves(grads(policy)), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(b))))  # fp32 re-association
+
+    def saved(remat):  # residual bytes kept between forward and backward
+        _, f_vjp = jax.vjp(lambda p: forward(ModelConfig(**kw, remat=remat), p, tokens), params)
+        return sum(x.nbytes for x in jax.tree.leaves(f_vjp))
+
+    sizes = {p: saved(p) for p in ("none", "full", "save_dots", "save_gla")}
+    assert sizes["full"] < sizes["save_gla"] < sizes["none"]
+    assert sizes["full"] < sizes["save_dots"] < sizes["none"]
+    assert ModelConfig(**kw, remat=True).remat == "full" and ModelConfig(**kw, remat=False).remat == "none"
+    with pytest.raises(ConfigError, match=r"model\.remat must be one of"):
+        ModelConfig(**kw, remat="everything")
 
 
 def test_tied_embeddings_have_no_head():

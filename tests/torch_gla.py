@@ -14,12 +14,15 @@ from torch import nn
 
 
 def naive_recurrent_gla(q, k, v, g, scale=None, initial_state=None):
-    """q, k, g: [B, T, H, K]; v: [B, T, H, V] -> (o [B, T, H, V], state [B, H, K, V]), float32."""
+    """q, k, g: [B, T, H, K]; v: [B, T, H, V] -> (o [B, T, H, V], state [B, H, K, V]).
+
+    Computes in float64 when q is float64 (the oracle for error figures), else in float32."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
-    q, k, v, g = (x.float() for x in (q, k, v, g))
-    S = torch.zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v, g = (x.to(dt) for x in (q, k, v, g))
+    S = torch.zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt).clone()
     outs = []
     for t in range(T):
         S = S * g[:, t].exp()[..., None] + k[:, t][..., None] * v[:, t][..., None, :]

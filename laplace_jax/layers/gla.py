@@ -7,6 +7,7 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax.config import ModelConfig
 from laplace_jax.layers.common import GatedRMSNorm, Linear, ShortConv
@@ -61,6 +62,7 @@ class GatedLinearAttention(nn.Module):
             valid = (jnp.arange(T)[None, :] < lengths_B[:, None])[:, :, None, None]
             k, v, gk = (jnp.where(valid, a, 0) for a in (k, v, gk))
 
+        q, k, v, gk = (checkpoint_name(a, "gla_inputs") for a in (q, k, v, gk))  # for model.remat="save_gla"
         s0 = None if state is None else state["gla"]
         if s0 is not None and T == 1:
             o, s = gla_step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], s0)

@@ -22,6 +22,13 @@ from laplace_jax.layers.gla import GatedLinearAttention
 
 Array = jax.Array
 Params = dict
+
+# model.remat -> jax.checkpoint policy (what a layer keeps for its backward; "none" skips remat).
+REMAT_POLICIES = {
+    "full": None,  # only the layer's input; the whole layer is recomputed
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # projection / MLP matmul outputs
+    "save_gla": jax.checkpoint_policies.save_only_these_names("gla_inputs", "gla_states"),  # skips the GLA re-run
+}
 State = dict[str, Array]
 
 
@@ -64,7 +71,7 @@ class GLALM(nn.Module):
             name="embeddings",
         )
         x = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "act_embed"))
-        block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+        block = Block if cfg.remat == "none" else nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat])
         stack = nn.scan(
             block,
             variable_axes={"params": 0},

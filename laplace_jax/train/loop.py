@@ -199,7 +199,7 @@ def check_fit(mem: dict[str, int], available: int, n_devices: int) -> None:
             f"the train step needs {mem['total'] / 2**30:.1f} GiB per device (arguments "
             f"{mem['arguments'] / 2**30:.1f}, temporaries {mem['temporaries'] / 2**30:.1f}) but a device has "
             f"{available / 2**30:.1f} GiB ({n_devices} devices). Use more devices (mesh.fsdp), a smaller "
-            "data.global_batch with train.grad_accum, model.remat=True, or inspect with --plan"
+            "data.global_batch with train.grad_accum, model.remat=full (or save_gla), or inspect with --plan"
         )
 
 

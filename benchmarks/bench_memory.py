@@ -1,0 +1,176 @@
+"""Compiled memory of the GLA kernel's gradient and of a train step per remat policy (nothing allocated).
+
+    python -m benchmarks.bench_memory kernel [--B 4 --T 4096 --H 16 --K 96 --V 192]
+    python -m benchmarks.bench_memory step --config configs/gla_340m.py --batch 16 --seq 2048 \\
+        --dtype bfloat16 --remat none full save_dots save_gla [--time-batch 1] --out results.json
+
+Both read XLA's ``memory_analysis()`` (temporaries, arguments, outputs) and ``cost_analysis()``
+(FLOPs, bytes accessed) of executables compiled from abstract inputs, so anyone can check memory
+on a CPU.
+- ``kernel``: ``jax.grad`` of ``chunk_gla`` (bf16 q, k, v; fp32 g), temporaries against its
+  inputs + outputs.
+- ``step``: the real single-device train step (Muon + AdamW, one micro-batch) of a config.
+  ``--time-batch N`` also runs each policy at batch N on this machine and reports the median
+  step time (the full batch would take minutes per step on a CPU). ``--kernel-standin`` swaps
+  the GLA kernel for one that keeps only its inputs, to see how much of a step is the kernel's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform as host
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import write_result
+
+GiB = 2**30
+
+
+def kernel_report(B: int, T: int, H: int, K: int, V: int, chunk_size: int = 128) -> dict:
+    from laplace_jax.ops.gla import chunk_gla
+
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    args = [jax.ShapeDtypeStruct((B, T, H, K), bf16)] * 2 + [jax.ShapeDtypeStruct((B, T, H, V), bf16)]
+    args += [jax.ShapeDtypeStruct((B, T, H, K), f32)]
+
+    def loss(q, k, v, g):
+        return jnp.sum(chunk_gla(q, k, v, g, chunk_size=chunk_size)[0].astype(f32))
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args).compile()
+    m = compiled.memory_analysis()
+    io = sum(a.size * a.dtype.itemsize for a in args) + B * T * H * V * 2  # inputs + the bf16 output
+    states = (T // chunk_size) * B * H * K * V * 4
+    return {
+        "shape": dict(B=B, T=T, H=H, K=K, V=V, chunk_size=chunk_size),
+        "temporaries_bytes": int(m.temp_size_in_bytes),
+        "inputs_plus_outputs_bytes": int(io),
+        "chunk_states_bytes": int(states),
+        "temporaries_over_io": m.temp_size_in_bytes / io,
+    }
+
+
+def _inputs_only_standin():
+    """A stand-in for chunk_gla whose autodiff keeps only its inputs: what the rest of the step
+    needs, to attribute memory to the kernel. Its output and gradients depend on their inputs
+    (o = v; d(q, k, g) = (q, k, g) * mean(do); dv = do), so XLA cannot fold the layer's
+    backward away as it could with zeros."""
+
+    @jax.custom_vjp
+    def standin(q, k, v, g, s0):
+        return v, s0
+
+    def bwd(res, cot):
+        q, k, _, g, _ = res
+        do, ds = cot
+        m = jnp.mean(do.astype(jnp.float32))
+        return (q * m.astype(q.dtype), k * m.astype(k.dtype), do, g * m, ds)
+
+    standin.defvjp(lambda q, k, v, g, s0: (standin(q, k, v, g, s0), (q, k, v, g, s0)), bwd)
+
+    def chunk_gla(q, k, v, g, *, scale=None, initial_state=None, chunk_size=128):
+        B, _, H, K = q.shape
+        s0 = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32) if initial_state is None else initial_state
+        return standin(q, k, v, g, s0)
+
+    return chunk_gla
+
+
+def step_report(config: str, batch: int, seq: int, dtype: str, remat: str, time_batch: int, standin: bool) -> dict:
+    from laplace_jax.config import load_config_file
+    from laplace_jax.layers import gla as gla_layer
+    from laplace_jax.train.loop import Setup, memory_report
+
+    if standin:
+        gla_layer.chunk_gla = _inputs_only_standin()
+
+    cfg = load_config_file(config)
+    cfg.model.update(dtype=dtype, remat=remat)
+    cfg.data.update(global_batch=batch, seq_len=seq)
+    cfg.train.update(grad_accum=1)
+    cfg.mesh.update(data=1, fsdp=1)
+    setup = Setup(cfg, devices=jax.devices()[:1])
+    compiled = setup.compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    rep = {
+        "remat": remat,
+        "kernel": "inputs-only stand-in" if standin else "chunk_gla",
+        "memory": memory_report(compiled),
+        "flops": float(cost.get("flops", 0.0)),
+        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+    }
+    if time_batch:
+        from laplace_jax.platform import median_seconds
+
+        cfg.data.update(global_batch=time_batch)
+        small = Setup(cfg, devices=jax.devices()[:1])
+        step = small.step_fn.lower(small.abstract_state, small.abstract_batch).compile()
+        state = small.init(0)
+        tokens = jax.random.randint(jax.random.key(0), small.abstract_batch.shape, 0, setup.model.vocab_size)
+
+        def run():
+            nonlocal state
+            state, metrics = step(state, tokens)
+            return metrics["loss"]
+
+        rep["time_batch"] = time_batch
+        rep["step_seconds"] = median_seconds(run, repeats=3, warmup=1)
+    return rep
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    k = sub.add_parser("kernel", help="jax.grad(chunk_gla) at one layer's shape")
+    for name, default in (("B", 4), ("T", 4096), ("H", 16), ("K", 96), ("V", 192), ("chunk-size", 128)):
+        k.add_argument(f"--{name}", type=int, default=default)
+    s = sub.add_parser("step", help="a config's train step for each remat policy")
+    s.add_argument("--config", required=True)
+    s.add_argument("--batch", type=int, default=16)
+    s.add_argument("--seq", type=int, default=2048)
+    s.add_argument("--dtype", default="bfloat16")
+    s.add_argument("--remat", nargs="+", default=["none", "full", "save_dots", "save_gla"])
+    s.add_argument("--time-batch", type=int, default=0, help="also time each policy at this batch size (0: skip)")
+    s.add_argument(
+        "--kernel-standin",
+        action="store_true",
+        help="replace chunk_gla by a stand-in whose autodiff keeps only its inputs (to attribute memory)",
+    )
+    for p in (k, s):
+        p.add_argument("--out", default=None, help="write the JSON result here")
+    a = ap.parse_args(argv)
+    res = {"device": jax.devices()[0].device_kind, "host": host.processor() or host.machine(), "jax": jax.__version__}
+    if a.what == "kernel":
+        r = kernel_report(a.B, a.T, a.H, a.K, a.V, a.chunk_size)
+        res["kernel"] = r
+        print(
+            f"jax.grad(chunk_gla) {r['shape']}: temporaries {r['temporaries_bytes'] / GiB:.3f} GiB = "
+            f"{r['temporaries_over_io']:.2f}x inputs + outputs ({r['inputs_plus_outputs_bytes'] / GiB:.3f} GiB); "
+            f"chunk states {r['chunk_states_bytes'] / GiB:.3f} GiB"
+        )
+    else:
+        res.update(config=a.config, batch=a.batch, seq=a.seq, dtype=a.dtype, policies=[])
+        print(f"{a.config}: train step, batch {a.batch} x {a.seq}, {a.dtype} compute, one device")
+        head = f"{'remat':<10} {'temporaries':>12} {'arguments':>10} {'TFLOP':>7} {'GB accessed':>12}"
+        print(head + (f" {'step s @ batch ' + str(a.time_batch):>18}" if a.time_batch else ""))
+        for policy in a.remat:
+            t0 = time.perf_counter()
+            r = step_report(a.config, a.batch, a.seq, a.dtype, policy, a.time_batch, a.kernel_standin)
+            r["compile_seconds"] = time.perf_counter() - t0
+            res["policies"].append(r)
+            m = r["memory"]
+            line = (
+                f"{policy:<10} {m['temporaries'] / GiB:>8.1f} GiB {m['arguments'] / GiB:>6.1f} GiB "
+                f"{r['flops'] / 1e12:>7.1f} {r['bytes_accessed'] / 1e9:>12.0f}"
+            )
+            print(line + (f" {r['step_seconds']:>18.2f}" if a.time_batch else ""), flush=True)
+    write_result(res, "bench_memory", argv, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

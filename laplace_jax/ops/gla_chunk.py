@@ -1,0 +1,253 @@
+"""Chunkwise GLA in XLA with a hand-written backward (``jax.custom_vjp``).
+
+Per (batch, head), the sequence is cut into chunks of C tokens and each chunk into n sub-blocks
+of c = 16 tokens. Inside a chunk, with b_r the inclusive cumulative log-decay and s the scale:
+
+    o_r    = s (q_r * e^{b_r})^T S  +  sum_{j <= r} A[r, j] v_j,   A[r, j] = s sum_k q_rk k_jk e^{b_rk - b_jk}
+    S_next = e^{b_C} * S  +  sum_j (k_j * e^{b_C - b_j}) v_j^T
+
+Exactness: every decay factor is the exp of a *direct* sum of log-decays (each <= 0), never of a
+difference of two cumulative sums, so nothing overflows and nothing cancels however strong the
+decay. Off-diagonal sub-blocks (i > j) factor e^{b_r - b_s} through the sub-blocks between:
+e^{head_r} e^{gap_ij} e^{tail_s}; diagonal sub-blocks build the pairwise factor one diagonal
+d = r - s at a time, as a product of d factors <= 1.
+
+Forward: a ``lax.scan`` over chunks carries the fp32 state; each step computes its chunk's
+scores, output and next state, and emits the state it started from and its scores. Autodiff
+saves only the inputs, those chunk-start states [N, B, H, K, V] fp32 and the scores
+[N, B, H, C, C] fp32 (fla's kernel keeps the scores too; recomputing the states would cost a
+second scan). Backward: a reverse ``lax.scan`` carries dS (the gradient on the state at the end
+of the chunk) and, per chunk, returns dq, dk, dv and
+dg = reverse-cumsum(q * dq - k * dk) + gamma, gamma = e^{b_C} * rowsum(S * dS) + sum_j k_j * dk_j^state
+(the gate enters only through b, as in fla's chunk_gla backward).
+
+Matmuls between inputs and states take the input dtype with fp32 accumulation; scores, their
+gradients and every decay stay fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+Array = jax.Array
+
+SUB_CHUNK = 16
+f32 = jnp.float32
+
+
+def _dot(spec: str, a: Array, b: Array, dtype: jnp.dtype) -> Array:
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=f32)
+
+
+def _rev_excl_cumsum(x: Array, axis: int) -> Array:
+    """sum_{t > s} x_t along ``axis``, summed directly (no cancellation for same-sign x)."""
+    return _shift_up(_rev_incl_cumsum(x, axis), 1, axis)
+
+
+def _rev_incl_cumsum(x: Array, axis: int) -> Array:
+    return jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis), axis)
+
+
+def _shift_down(x: Array, d: int, axis: int) -> Array:
+    """x[r - d] along ``axis`` (zeros where r < d)."""
+    if d == 0:
+        return x
+    n = x.shape[axis]
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (d, 0)
+    return jax.lax.slice_in_dim(jnp.pad(x, pad), 0, n, axis=axis)
+
+
+def _shift_up(x: Array, d: int, axis: int) -> Array:
+    """x[r + d] along ``axis`` (zeros where r + d is past the end)."""
+    if d == 0:
+        return x
+    n = x.shape[axis]
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, d)
+    return jax.lax.slice_in_dim(jnp.pad(x, pad), d, n + d, axis=axis)
+
+
+class _Decays:
+    """Decay factors of one chunk, split in sub-blocks: x [..., C, K] -> [..., n, c, K]."""
+
+    def __init__(self, g_CxK: Array):
+        *lead, C, K = g_CxK.shape
+        self.c = min(SUB_CHUNK, C)
+        self.n = C // self.c
+        gs = g_CxK.reshape(*lead, self.n, self.c, K)
+        self.step = jnp.exp(gs)  # e^{g_r}
+        self.head = jnp.exp(jnp.cumsum(gs, axis=-2))  # sub-block start .. r (inclusive)
+        self.tail = jnp.exp(_rev_excl_cumsum(gs, axis=-2))  # s (exclusive) .. sub-block end
+        self.block = jnp.sum(gs, axis=-2)  # [..., n, K], whole sub-block
+
+    def split(self, x: Array) -> Array:
+        return x.reshape(*x.shape[:-2], self.n, self.c, x.shape[-1])
+
+    def gaps(self, i: int) -> Array:
+        """e^{sum of whole sub-blocks strictly between j and i}, for j < i: [..., i, K]."""
+        return jnp.exp(_rev_excl_cumsum(self.block[..., :i, :], axis=-2))
+
+    def diagonals(self):
+        """(d, decay_d) for d = 0..c-1: decay_d[r] = prod_{r-d < t <= r} e^{g_t} inside a sub-block."""
+        decay = jnp.ones_like(self.step)
+        for d in range(self.c):
+            if d:
+                decay = decay * _shift_down(self.step, d - 1, axis=-2)
+            yield d, decay
+
+
+def _panel(kt: Array, w: Array) -> Array:
+    """Keys of sub-blocks j < i scaled to the start of sub-block i: [..., i, c, K] x [..., i, K] -> [..., i*c, K]."""
+    x = kt * w[..., None, :]
+    return x.reshape(*x.shape[:-3], -1, x.shape[-1])
+
+
+def _scores(q: Array, k: Array, dec: _Decays, scale: float) -> Array:
+    """Causal scores A [..., C, C] fp32 (zero above the diagonal) from q, k [..., C, K].
+
+    Row panel i: sub-block i against all earlier keys in one matmul (q scaled from the start of
+    i, keys scaled to it), then its own diagonal sub-block built diagonal by diagonal."""
+    n, c = dec.n, dec.c
+    qs, ks = dec.split(q.astype(f32)), dec.split(k.astype(f32))
+    qh, kt = qs * dec.head, ks * dec.tail
+    # one reduction over K for all diagonals (not one per diagonal): XLA then reduces in the same
+    # order compiled and op-by-op, which keeps --exact runs bit-identical to jax.disable_jit
+    terms = jnp.stack([qs * decay * _shift_down(ks, d, -2) for d, decay in dec.diagonals()], -3)
+    by_diag = jnp.sum(terms, axis=-1)  # [..., n, c(d), c(r)]
+    r, s = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
+    diag = by_diag[..., jnp.maximum(r - s, 0), r] * (s <= r)  # [..., n, c(r), c(s)]
+    lead = qs.shape[:-3]
+    rows = []
+    for i in range(n):
+        parts = (
+            [jnp.einsum("...rk,...sk->...rs", qh[..., i, :, :], _panel(kt[..., :i, :, :], dec.gaps(i)))] if i else []
+        )
+        parts += [diag[..., i, :, :], jnp.zeros((*lead, c, (n - 1 - i) * c), f32)]
+        rows.append(jnp.concatenate(parts, axis=-1))
+    return scale * jnp.concatenate(rows, axis=-2)
+
+
+def _scores_bwd(q: Array, k: Array, dec: _Decays, dA: Array, scale: float) -> tuple[Array, Array]:
+    """Gradients of ``_scores`` wrt q and k [..., C, K] fp32, given dA [..., C, C] (lower triangle)."""
+    n, c = dec.n, dec.c
+    qs, ks = dec.split(q.astype(f32)), dec.split(k.astype(f32))
+    qh, kt = qs * dec.head, ks * dec.tail
+    zero = jnp.zeros_like(qs[..., 0, :, :])
+    dq_rows, dk_parts = [zero], [[zero] for _ in range(n)]  # dk_parts[j]: contributions to key sub-block j
+    for i in range(1, n):
+        w = dec.gaps(i)
+        dA_i = dA[..., i * c : (i + 1) * c, : i * c]  # [..., c(r), i*c]
+        dq_rows.append(jnp.einsum("...rs,...sk->...rk", dA_i, _panel(kt[..., :i, :, :], w)))
+        dkt = jnp.einsum("...rs,...rk->...sk", dA_i, qh[..., i, :, :]).reshape(*qs.shape[:-3], i, c, -1)
+        for j in range(i):
+            dk_parts[j].append(dkt[..., j, :, :] * w[..., j, None, :])
+    dq = jnp.stack(dq_rows, axis=-3) * dec.head
+    dk = jnp.stack([sum(parts) for parts in dk_parts], axis=-3) * dec.tail
+    dA4 = dA.reshape(*dA.shape[:-2], n, c, n, c)
+    own = jnp.moveaxis(jnp.diagonal(dA4, axis1=-4, axis2=-2), -1, -3)  # [..., n, c(r), c(s)]
+    d_idx, r_idx = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
+    coefs = own[..., r_idx, jnp.maximum(r_idx - d_idx, 0)] * (r_idx >= d_idx)  # [..., n, c(d), c(r)]: dA[r, r-d]
+    for d, decay in dec.diagonals():
+        term = coefs[..., d, :, None] * decay
+        dq = dq + term * _shift_down(ks, d, -2)
+        dk = dk + _shift_up(term * qs, d, -2)
+    shape = q.shape
+    return scale * dq.reshape(shape), scale * dk.reshape(shape)
+
+
+def _fwd_chunk(q, k, v, g, S, scale, dtype):
+    """One chunk: q, k, g [B, H, C, K], v [B, H, C, V], S [B, H, K, V] fp32 -> (o fp32, S_next, A)."""
+    dec = _Decays(g)
+    b = jnp.cumsum(g, axis=-2)
+    A = _scores(q, k, dec, scale)
+    o = _dot("bhrs,bhsv->bhrv", A, v, dtype) + _dot("bhck,bhkv->bhcv", q.astype(f32) * (scale * jnp.exp(b)), S, dtype)
+    k_state = k.astype(f32) * jnp.exp(_rev_excl_cumsum(g, axis=-2))  # decay from s to the chunk end
+    S_next = jnp.exp(jnp.sum(g, axis=-2))[..., None] * S + _dot("bhck,bhcv->bhkv", k_state, v, dtype)
+    return o, S_next, A
+
+
+def _bwd_chunk(q, k, v, g, S, A, do, dS, scale, dtype):
+    """Gradients of ``_fwd_chunk`` given its scores A, do [B, H, C, V] and dS (on S_next):
+    (dq, dk, dv, dg, dS_prev)."""
+    dec = _Decays(g)
+    e_b = jnp.exp(jnp.cumsum(g, axis=-2))
+    e_tail = jnp.exp(_rev_excl_cumsum(g, axis=-2))
+    e_C = jnp.exp(jnp.sum(g, axis=-2))  # [B, H, K]
+    qf, kf = q.astype(f32), k.astype(f32)
+    # through the state: o_inter = (s q e^b)^T S and S_next = e^C S + (k e^tail)^T v
+    dq = scale * e_b * _dot("bhcv,bhkv->bhck", do, S, dtype)
+    dk_state = e_tail * _dot("bhcv,bhkv->bhck", v, dS, dtype)
+    dv = _dot("bhck,bhkv->bhcv", kf * e_tail, dS, dtype)
+    dS_prev = e_C[..., None] * dS + _dot("bhck,bhcv->bhkv", qf * (scale * e_b), do, dtype)
+    # through the scores
+    dA = jnp.tril(_dot("bhrv,bhsv->bhrs", do, v, f32))
+    dv = dv + _dot("bhrs,bhrv->bhsv", A, do, dtype)
+    dq_a, dk_a = _scores_bwd(q, k, dec, dA, scale)
+    dq, dk = dq + dq_a, dk_state + dk_a
+    # the gate enters only through b: db_r = q_r dq_r - k_r dk_r, plus the chunk-end terms on b_C
+    gamma = e_C * jnp.sum(S * dS, axis=-1) + jnp.sum(kf * dk_state, axis=-2)  # [B, H, K]
+    dg = _rev_incl_cumsum(qf * dq - kf * dk, axis=-2) + gamma[..., None, :]
+    return dq, dk, dv, dg, dS_prev
+
+
+def _to_chunks(x: Array, C: int) -> Array:
+    """[B, T, H, D] (T a multiple of C) -> [N, B, H, C, D]."""
+    B, T, H, D = x.shape
+    return x.reshape(B, T // C, C, H, D).transpose(1, 0, 3, 2, 4)
+
+
+def _from_chunks(x: Array) -> Array:
+    """[N, B, H, C, D] -> [B, N * C, H, D]."""
+    N, B, H, C, D = x.shape
+    return x.transpose(1, 0, 3, 2, 4).reshape(B, N * C, H, D)
+
+
+def _forward(q, k, v, g, s0, scale, C):
+    """(o [B, T, H, V], final state, chunk-start states [N, B, H, K, V], scores [N, B, H, C, C])."""
+    dtype = q.dtype
+
+    def step(S, xs):
+        q_n, k_n, v_n, g_n = xs
+        o_n, S_next, A_n = _fwd_chunk(q_n, k_n, v_n, g_n.astype(f32), S, scale, dtype)
+        return S_next, (o_n.astype(v.dtype), S, A_n)
+
+    xs = tuple(_to_chunks(x, C) for x in (q, k, v, g))
+    sT, (o, starts, scores) = jax.lax.scan(step, s0.astype(f32), xs)
+    return _from_chunks(o), sT, starts, scores
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def chunk_gla_padded(q: Array, k: Array, v: Array, g: Array, s0: Array, scale: float, C: int) -> tuple[Array, Array]:
+    """GLA over T = N * C tokens (already padded): (o [B, T, H, V], final state [B, H, K, V] fp32)."""
+    o, sT, _, _ = _forward(q, k, v, g, s0, scale, C)
+    return o, sT
+
+
+def _vjp_fwd(q, k, v, g, s0, scale, C):
+    o, sT, starts, scores = _forward(q, k, v, g, s0, scale, C)
+    saved = tuple(checkpoint_name(x, "gla_states") for x in (starts, scores))  # model.remat="save_gla" keeps them
+    return (o, sT), (q, k, v, g, s0, *saved)
+
+
+def _vjp_bwd(scale, C, res, cot):
+    q, k, v, g, s0, starts, scores = res
+    do, dsT = cot
+    dtype = q.dtype
+
+    def step(dS, xs):
+        q_n, k_n, v_n, g_n, S_n, A_n, do_n = xs
+        dq, dk, dv, dg, dS_prev = _bwd_chunk(q_n, k_n, v_n, g_n.astype(f32), S_n, A_n, do_n, dS, scale, dtype)
+        return dS_prev, (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg.astype(g.dtype))
+
+    xs = (*(_to_chunks(x, C) for x in (q, k, v, g)), starts, scores, _to_chunks(do, C))
+    ds0, grads = jax.lax.scan(step, dsT.astype(f32), xs, reverse=True)
+    dq, dk, dv, dg = (_from_chunks(x) for x in grads)
+    return dq, dk, dv, dg, ds0.astype(s0.dtype)
+
+
+chunk_gla_padded.defvjp(_vjp_fwd, _vjp_bwd)
