@@ -224,13 +224,6 @@ class Server:
             ignore_eos=body.ignore_eos,
         )
 
-    def _check_fits(self, ids: list[int], sp: SamplingParams) -> None:
-        """Every range check (``Engine.check``), as a 400 naming the field."""
-        try:
-            self.engine.check(ids, sp)
-        except InvalidParamError as e:
-            raise ApiError(400, str(e), e.param) from e
-
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
             raise ApiError(
@@ -306,7 +299,7 @@ class Server:
             watcher.cancel()
 
     async def _respond(
-        self, request: Request, body: _Common, ids: list[int], sp: SamplingParams, chat: bool, prefix: str = ""
+        self, request: Request, body: _Common, ids: list[int], sp: SamplingParams, chat: bool, echo: bool = False
     ):
         stops = _stop_strings(body.stop) + (["<|"] if chat else [])
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -316,6 +309,7 @@ class Server:
             first = await anext(gen)  # raises ApiError (400/429/500) before any response is sent
         except StopAsyncIteration:  # the client left before the first token
             return JSONResponse({}, status_code=499)
+        prefix = self.tok.decode(ids) if echo else ""  # the engine has accepted ids: all within the vocab
 
         def usage(n: int) -> dict:
             return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
@@ -399,19 +393,21 @@ class Server:
         async def _api(_, exc: ApiError):
             return reply(exc)
 
-        def ready_or_503():
+        def not_ready() -> str | None:
+            """Why the engine cannot serve now (warming, restarting, dead), or None."""
             state, message = self.engine.status()
-            if state != "ready":
-                raise ApiError(
-                    503, message if state != "warming" else f"warming up: {self.warm_progress}", None, "server_error"
-                )
+            if state == "ready":
+                return None
+            return f"warming up: {self.warm_progress}" if state == "warming" else message
+
+        def ready_or_503():
+            if (why := not_ready()) is not None:
+                raise ApiError(503, why, None, "server_error")
 
         @app.get("/health")
         async def health():
-            state, message = self.engine.status()
-            if state != "ready":
-                text = message if state != "warming" else f"warming up: {self.warm_progress}"
-                return _error(503, text, None, "server_error")
+            if (why := not_ready()) is not None:
+                return _error(503, why, None, "server_error")
             return {"status": "ok", "restarts": self.engine.restarts}
 
         @app.get("/v1/models")
@@ -442,10 +438,7 @@ class Server:
             if body.logprobs is not None:
                 raise ApiError(400, "logprobs are not supported", "logprobs")
             ids = self._prompt_ids(body.prompt)
-            sp = self._sampling(body, body.max_tokens)
-            self._check_fits(ids, sp)
-            prefix = self.tok.decode(ids) if body.echo else ""
-            return await self._respond(request, body, ids, sp, False, prefix)
+            return await self._respond(request, body, ids, self._sampling(body, body.max_tokens), False, body.echo)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request, body: ChatRequest):
@@ -453,7 +446,6 @@ class Server:
             self._check_model(body.model)
             sp = self._sampling(body, body.max_completion_tokens or body.max_tokens)
             ids = self.tok.encode(chat_prompt(body.messages))
-            self._check_fits(ids, sp)
             return await self._respond(request, body, ids, sp, True)
 
         return app
