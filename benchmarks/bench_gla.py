@@ -1,7 +1,11 @@
-"""GLA kernel roofline: chunk_gla (per chunk size) and recurrent_gla against this device's peaks.
+"""GLA kernel roofline: chunk_gla (per chunk size and kernel) and recurrent_gla against this device's peaks.
 
     python -m benchmarks.bench_gla [--B 4 --T 2048 --H 4 --K 128 --V 256] [--dtype float32] \\
         --out benchmarks/results/gla_cpu.json
+    # GPU, the 3B layer: --B 4 --T 4096 --H 16 --K 96 --V 192 --dtype bfloat16 --pallas 64 128
+
+``--pallas C ...`` also times the Pallas kernel at those chunk sizes. It is compiled (Triton)
+on GPU only; elsewhere it runs in the Pallas interpreter and its times mean nothing.
 
 For each implementation and pass (forward; forward+backward) it reports the median time, the
 FLOPs and the minimal memory traffic, and the achieved fraction of each roofline:
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="q, k, v dtype")
     ap.add_argument("--chunk-sizes", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--pallas", type=int, nargs="*", default=[], help="chunk sizes for the Pallas kernel")
+    ap.add_argument("--no-recurrent", action="store_true", help="skip recurrent_gla (slow at long T)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--baseline", default=None, help="another ops/gla.py whose chunk_gla is timed side by side")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -109,20 +115,27 @@ def main(argv: list[str] | None = None) -> int:
     for C in a.chunk_sizes:
         fn = lambda q, k, v, g, C=C: chunk_gla(q, k, v, g, chunk_size=C)  # noqa: E731
         measure(f"chunk{C}", fn, gla_flops(a.B, a.T, a.H, a.K, a.V, C), a.repeats)
+    if a.pallas and jax.default_backend() not in ("gpu", "cuda", "rocm"):
+        print("  (the Pallas kernel is interpreted on this backend: its times are not kernel times)")
+    for C in a.pallas:
+        fn = lambda q, k, v, g, C=C: chunk_gla(q, k, v, g, chunk_size=C, kernel="pallas")  # noqa: E731
+        measure(f"pallas{C}", fn, gla_flops(a.B, a.T, a.H, a.K, a.V, C), a.repeats)
     if a.baseline:
         spec = importlib.util.spec_from_file_location("gla_baseline", a.baseline)
         base = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(base)
         measure("baseline128", base.chunk_gla, gla_flops(a.B, a.T, a.H, a.K, a.V, 128), a.repeats)
-    measure("recurrent", recurrent_gla, gla_flops(a.B, a.T, a.H, a.K, a.V, 128), 3)
-    rec = res["impls"]["recurrent"]
+    if not a.no_recurrent:
+        measure("recurrent", recurrent_gla, gla_flops(a.B, a.T, a.H, a.K, a.V, 128), 3)
+    rec = res["impls"].get("recurrent")
     print(f"{'impl':<12} {'fwd ms':>8} {'f+b ms':>8} {'f+b %FLOP':>10} {'f+b %BW':>8} {'f+b vs recurrent':>17}")
     for name, r in res["impls"].items():
-        r["fwd_bwd_speedup_over_recurrent"] = rec["fwd_bwd_s"] / r["fwd_bwd_s"]
+        if rec:
+            r["fwd_bwd_speedup_over_recurrent"] = rec["fwd_bwd_s"] / r["fwd_bwd_s"]
         print(
             f"{name:<12} {r['fwd_s'] * 1e3:>8.1f} {r['fwd_bwd_s'] * 1e3:>8.1f} "
             f"{100 * r['fwd_bwd_fraction_of_flop_peak']:>9.1f}% {100 * r['fwd_bwd_fraction_of_bandwidth']:>7.1f}% "
-            f"{r['fwd_bwd_speedup_over_recurrent']:>16.1f}x"
+            f"{r.get('fwd_bwd_speedup_over_recurrent', float('nan')):>16.1f}x"
         )
     write_result(res, "bench_gla", argv, a.out)
     return 0

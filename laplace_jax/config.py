@@ -14,7 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-ATTN_IMPLS = ("chunk", "recurrent")
+ATTN_IMPLS = ("chunk", "pallas", "recurrent", "auto")
 # What a layer keeps for its backward (the rest is recomputed); see models/gla_lm.py REMAT_POLICIES.
 REMAT = ("none", "full", "save_dots", "save_gla")
 
@@ -30,7 +30,9 @@ class ModelConfig:
     d_model: hidden size; expand_k / expand_v: key / value width as a fraction of d_model;
     n_kv_heads: None for one kv head per query head (GQA when smaller); mlp_dim: None for
     fla's rule 256 * ceil(int(d * 8/3) / 256); chunk_size: tokens per chunk of the chunkwise
-    kernel; dtype: compute dtype (params stay float32, logits are float32); remat: what each
+    kernel; attn_impl: "chunk" (XLA chunk kernel, every backend), "pallas" (Pallas/Triton kernel:
+    GPU, interpreted on CPU), "recurrent" (token scan, the oracle) or "auto" ("pallas" on GPU,
+    "chunk" elsewhere); dtype: compute dtype (params stay float32, logits are float32); remat: what each
     layer keeps for the backward: "none" (everything), "full" (only its input), "save_dots"
     (matmul outputs), "save_gla" (the GLA kernel's inputs and chunk states). True / False are
     read as "full" / "none" (older configs).
@@ -72,6 +74,10 @@ class ModelConfig:
             raise ConfigError(f"model.dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
         if self.attn_impl not in ATTN_IMPLS:
             raise ConfigError(f"model.attn_impl must be one of {', '.join(ATTN_IMPLS)}; got {self.attn_impl!r}")
+        if self.attn_impl in ("pallas", "auto") and self.chunk_size % 16:
+            raise ConfigError(
+                f"model.attn_impl={self.attn_impl!r} needs model.chunk_size a multiple of 16; got {self.chunk_size}"
+            )
         if self.n_heads % self.kv_heads:
             raise ConfigError(
                 f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.kv_heads})"

@@ -125,6 +125,30 @@ def test_remat_and_recurrent_impl_give_same_logits():
         np.testing.assert_allclose(forward(ModelConfig(**kw, **extra), params, tokens), ref, atol=1e-5)
 
 
+def test_pallas_impl_gives_the_same_logits_and_gradients_under_jit():
+    """model.attn_impl="pallas" (interpreted on CPU) against "chunk", through jit and grad; "auto" is "chunk" here."""
+    kw = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1)
+    params = init_params(ModelConfig(**kw), jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 40), 0, 61)
+
+    def loss_and_grads(impl):
+        loss = lambda p: jnp.sum(forward(ModelConfig(**kw, attn_impl=impl), p, tokens) ** 2)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    (ref_loss, ref), (loss, grads) = loss_and_grads("chunk"), loss_and_grads("pallas")
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(b))))
+
+    def uses_pallas(impl):
+        jaxpr = jax.make_jaxpr(lambda p: forward(ModelConfig(**kw, attn_impl=impl), p, tokens))(params)
+        return "pallas_call" in str(jaxpr)
+
+    assert uses_pallas("pallas") and not uses_pallas("auto")  # auto resolved to the XLA kernel on CPU
+    with pytest.raises(ConfigError, match="multiple of 16"):
+        ModelConfig(**{**kw, "chunk_size": 24}, attn_impl="pallas")
+
+
 def test_remat_policies_give_the_same_gradients_and_keep_what_they_say():
     kw = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1)
     params = init_params(ModelConfig(**kw), jax.random.key(0))

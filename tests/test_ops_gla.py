@@ -1,4 +1,8 @@
-"""chunk_gla vs recurrent_gla vs an independent PyTorch recurrence (fp32 and bf16)."""
+"""chunk_gla (XLA and Pallas kernels) vs recurrent_gla vs an independent PyTorch recurrence (fp32 and bf16).
+
+The Pallas kernel runs in the Pallas interpreter here (CPU); every kernel test runs on both kernels."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,16 +33,20 @@ def _rel(a, ref):
     return float(np.max(np.abs(np.asarray(a, np.float64) - ref)) / np.max(np.abs(ref)))
 
 
+KERNELS = pytest.mark.parametrize("kernel", ["xla", "pallas"])
+
+
+@KERNELS
 @pytest.mark.parametrize("T", [1, 100, 128, 300, 2048])
 @pytest.mark.parametrize("decay", ["weak", "strong"])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_chunk_recurrent_torch_agree(T, decay, with_state):
+def test_chunk_recurrent_torch_agree(T, decay, with_state, kernel):
     q, k, v, g, s0 = _inputs(T, decay, seed=T)
     init = s0 if with_state else None
     f64 = lambda x: torch.from_numpy(np.asarray(x, np.float64))  # noqa: E731  the oracle runs in float64
     o_t, s_t = naive_recurrent_gla(*(f64(x) for x in (q, k, v, g)), initial_state=None if init is None else f64(init))
     o_t, s_t = o_t.numpy(), s_t.numpy()
-    o_c, s_c = chunk_gla(q, k, v, g, initial_state=init)
+    o_c, s_c = chunk_gla(q, k, v, g, initial_state=init, kernel=kernel)
     o_r, s_r = recurrent_gla(q, k, v, g, initial_state=init)
     assert o_c.shape == o_t.shape and s_c.dtype == jnp.float32
     assert np.all(np.isfinite(o_c))
@@ -46,19 +54,21 @@ def test_chunk_recurrent_torch_agree(T, decay, with_state):
     assert _rel(o_r, o_t) <= TOL
     assert _rel(s_c, s_t) <= TOL
     assert _rel(s_r, s_t) <= TOL
-    print(f"T={T} {decay}: chunk vs float64 oracle {_rel(o_c, o_t):.1e}, recurrent {_rel(o_r, o_t):.1e}")
+    print(f"T={T} {decay}: chunk ({kernel}) vs float64 oracle {_rel(o_c, o_t):.1e}, recurrent {_rel(o_r, o_t):.1e}")
 
 
+@KERNELS
 @pytest.mark.parametrize("chunk_size", [16, 64, 256])
-def test_chunk_size_does_not_change_result(chunk_size):
+def test_chunk_size_does_not_change_result(chunk_size, kernel):
     q, k, v, g, s0 = _inputs(300, "weak")
     ref, _ = chunk_gla(q, k, v, g, initial_state=s0, chunk_size=128)
-    o, _ = chunk_gla(q, k, v, g, initial_state=s0, chunk_size=chunk_size)
+    o, _ = chunk_gla(q, k, v, g, initial_state=s0, chunk_size=chunk_size, kernel=kernel)
     assert _rel(o, np.asarray(ref, np.float64)) <= TOL
 
 
+@KERNELS
 @pytest.mark.parametrize("decay", ["weak", "strong"])
-def test_gradients_chunk_equal_recurrent(decay):
+def test_gradients_chunk_equal_recurrent(decay, kernel):
     q, k, v, g, s0 = _inputs(300, decay, seed=7)
     r = np.random.default_rng(1)
     w_o = r.standard_normal((2, 300, 2, 32)).astype(np.float32)
@@ -68,15 +78,17 @@ def test_gradients_chunk_equal_recurrent(decay):
         o, s = fn(*args[:4], initial_state=args[4])
         return jnp.sum(o * w_o) + jnp.sum(s * w_s)
 
-    grads_c = jax.grad(lambda *a: loss(chunk_gla, *a), argnums=range(5))(q, k, v, g, s0)
+    chunk = functools.partial(chunk_gla, kernel=kernel)
+    grads_c = jax.grad(lambda *a: loss(chunk, *a), argnums=range(5))(q, k, v, g, s0)
     grads_r = jax.grad(lambda *a: loss(recurrent_gla, *a), argnums=range(5))(q, k, v, g, s0)
     for name, gc, gr in zip(["q", "k", "v", "g", "s0"], grads_c, grads_r, strict=True):
         assert np.all(np.isfinite(gc)), name
         assert _rel(gc, np.asarray(gr, np.float64)) <= TOL, name
 
 
+@KERNELS
 @pytest.mark.parametrize("decay", ["weak", "strong"])
-def test_gradients_match_torch_float64_autograd(decay):
+def test_gradients_match_torch_float64_autograd(decay, kernel):
     """The hand-written backward against autograd of an independent float64 torch recurrence."""
     T = 150
     q, k, v, g, s0 = _inputs(T, decay, seed=11)
@@ -88,7 +100,7 @@ def test_gradients_match_torch_float64_autograd(decay):
     ((o_t * torch.from_numpy(w_o)).sum() + (s_t * torch.from_numpy(w_s)).sum()).backward()
 
     def loss(*a):
-        o, s = chunk_gla(*a[:4], initial_state=a[4], chunk_size=64)
+        o, s = chunk_gla(*a[:4], initial_state=a[4], chunk_size=64, kernel=kernel)
         return jnp.sum(o * w_o.astype(np.float32)) + jnp.sum(s * w_s.astype(np.float32))
 
     grads = jax.grad(loss, argnums=range(5))(q, k, v, g, s0)
@@ -96,14 +108,17 @@ def test_gradients_match_torch_float64_autograd(decay):
         assert _rel(ours, ref.grad.numpy()) <= TOL, name
 
 
-def test_check_grads_with_state_and_final_state_cotangent():
+@KERNELS
+def test_check_grads_with_state_and_final_state_cotangent(kernel):
     from jax.test_util import check_grads
 
     q, k, v, g, s0 = _inputs(40, "weak", seed=5, K=8, V=8)
     g = g * 8  # decays that matter within a 16-token chunk
 
     def f(q, k, v, g, s0):
-        return chunk_gla(q, k, v, g, initial_state=s0, chunk_size=16)  # (o, final state): both get cotangents
+        return chunk_gla(
+            q, k, v, g, initial_state=s0, chunk_size=16, kernel=kernel
+        )  # (o, final state): both get cotangents
 
     check_grads(f, (q, k, v, g, s0), order=1, modes=("rev",), atol=2e-2, rtol=2e-2, eps=1e-2)
 
@@ -142,14 +157,37 @@ def test_step_matches_recurrence():
 BF16_BOUND = 2e-2  # RMS relative error of bf16-input chunk_gla vs fp32 (documented in README)
 
 
-def test_bf16_inputs_accumulate_in_fp32():
+@KERNELS
+def test_bf16_inputs_accumulate_in_fp32(kernel):
     q, k, v, g, _s0 = _inputs(512, "weak", seed=3)
     ref, _s_ref = chunk_gla(q, k, v, g)
-    o, s = chunk_gla(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), g)
+    o, s = chunk_gla(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), g, kernel=kernel)
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     err = float(jnp.linalg.norm(o.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
-    print(f"bf16 chunk_gla RMS relative error: {err:.2e}")
+    print(f"bf16 chunk_gla ({kernel}) RMS relative error: {err:.2e}")
     assert err < BF16_BOUND
+
+
+def test_pallas_autodiff_saves_only_inputs_and_chunk_states():
+    """The Pallas kernel recomputes its scores: jax.grad keeps the padded inputs, the chunk-start
+    states [B, H, N, K, V] and the final state, nothing else (besides the pads' scalar fill values)."""
+    B, T, H, K, V, C = 1, 64, 2, 16, 32, 32
+    q, k, v, g, s0 = _inputs(T, "weak", B=B, H=H, K=K, V=V)
+    _, f_vjp = jax.vjp(lambda *a: chunk_gla(*a[:4], initial_state=a[4], chunk_size=C, kernel="pallas"), q, k, v, g, s0)
+    sizes = sorted(x.size for x in jax.tree.leaves(f_vjp) if x.ndim)
+    states, final = (T // C) * B * H * K * V, B * H * K * V
+    assert sizes == sorted([q.size, k.size, v.size, g.size, states, final])
+
+
+def test_pallas_tiles_and_padding_do_not_change_result():
+    """Odd head widths (K 24 -> 32, V 40 -> 48 in tiles of 16) against the XLA kernel."""
+    q, k, v, g, s0 = _inputs(70, "strong", K=24, V=40)
+    ref, s_ref = chunk_gla(q, k, v, g, initial_state=s0, chunk_size=32)
+    from laplace_jax.ops.gla_pallas import pallas_gla
+
+    o, s = pallas_gla(q, k, v, g, s0, scale=24**-0.5, chunk_size=32, block_v=16, interpret=True)
+    assert o.shape == ref.shape and s.shape == s_ref.shape
+    assert _rel(o, np.asarray(ref, np.float64)) <= TOL and _rel(s, np.asarray(s_ref, np.float64)) <= TOL
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -166,3 +204,7 @@ def test_bad_inputs_raise_clear_errors():
         chunk_gla(q, k, v, g, initial_state=s0[:, :1])
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_gla(q, k, v, g, chunk_size=24)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        chunk_gla(q, k, v, g, chunk_size=8, kernel="pallas")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        chunk_gla(q, k, v, g, kernel="triton")

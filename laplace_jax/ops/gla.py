@@ -22,8 +22,11 @@ import jax
 import jax.numpy as jnp
 
 from laplace_jax.ops.gla_chunk import SUB_CHUNK, chunk_gla_padded
+from laplace_jax.ops.gla_pallas import pallas_gla
 
 Array = jax.Array
+
+KERNELS = ("xla", "pallas")
 
 
 def _check(q: Array, k: Array, v: Array, g: Array, initial_state: Array | None) -> None:
@@ -91,21 +94,55 @@ def chunk_gla(
     scale: float | None = None,
     initial_state: Array | None = None,
     chunk_size: int = 128,
+    kernel: str = "xla",
+    interpret: bool | None = None,
 ) -> tuple[Array, Array]:
     """Chunkwise-parallel GLA. Returns (o [B, T, H, V], final_state [B, H, K, V] fp32).
 
     Any T >= 1: the tail is padded with state-neutral positions (q = k = v = 0, g = 0).
-    ``chunk_size`` must be a multiple of 16 (or one of 1, 2, 4, 8).
+    ``chunk_size`` must be a multiple of 16 (or, for the XLA kernel, one of 1, 2, 4, 8).
+    ``kernel``: "xla" (``gla_chunk``: lax.scan, any backend) or "pallas" (``gla_pallas``: a
+    Triton-lowered GPU kernel). ``interpret`` runs the Pallas kernel in the Pallas interpreter;
+    None means "on CPU only". Both kernels have the same numerics contract and gradients.
     """
     _check(q, k, v, g, initial_state)
-    if chunk_size <= 0 or (chunk_size % SUB_CHUNK and SUB_CHUNK % chunk_size):
-        raise ValueError(f"chunk_size must be a positive multiple of {SUB_CHUNK} (or divide it); got {chunk_size}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
+    if chunk_size <= 0 or (chunk_size % SUB_CHUNK and (kernel == "pallas" or SUB_CHUNK % chunk_size)):
+        raise ValueError(
+            f"chunk_size must be a positive multiple of {SUB_CHUNK} (the XLA kernel also takes 1, 2, 4, 8); "
+            f"got {chunk_size}"
+        )
     B, T, H, K = q.shape
     V = v.shape[-1]
-    scale = K**-0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else float(scale)
+    s0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state
+    if kernel == "pallas":
+        interpret = pallas_interpret() if interpret is None else interpret
+        return pallas_gla(q, k, v, g, s0, scale=scale, chunk_size=chunk_size, interpret=interpret)
     pad = (-T) % chunk_size
     if pad:  # state-neutral tail: q = k = v = 0, g = 0
         q, k, v, g = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, g))
-    s0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state
-    o, final_state = chunk_gla_padded(q, k, v, g, s0, float(scale), chunk_size)
+    o, final_state = chunk_gla_padded(q, k, v, g, s0, scale, chunk_size)
     return o[:, :T], final_state
+
+
+def pallas_interpret() -> bool:
+    """Whether the Pallas kernel must run interpreted on this backend (CPU), or raise where it
+    cannot run at all (it is written for Pallas' Triton lowering: GPU only)."""
+    backend = jax.default_backend()
+    if backend in ("gpu", "cuda", "rocm"):
+        return False
+    if backend == "cpu":
+        return True
+    raise ValueError(
+        f"the Pallas GLA kernel lowers only on GPU (Triton); this backend is {backend!r}. "
+        "Use model.attn_impl='chunk' (or 'auto', which picks it here)."
+    )
+
+
+def resolve_attn_impl(attn_impl: str) -> str:
+    """'auto' -> 'pallas' on GPU, 'chunk' elsewhere; other names unchanged."""
+    if attn_impl != "auto":
+        return attn_impl
+    return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "chunk"
