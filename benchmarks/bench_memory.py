@@ -3,6 +3,7 @@
     python -m benchmarks.bench_memory kernel [--B 4 --T 4096 --H 16 --K 96 --V 192]
     python -m benchmarks.bench_memory step --config configs/gla_340m.py --batch 16 --seq 2048 \\
         --dtype bfloat16 --remat none full save_dots save_gla [--time-batch 1] --out results.json
+    python -m benchmarks.bench_memory decode --config configs/3b.py --width 256 [--weights-dtype bfloat16]
 
 Both read XLA's ``memory_analysis()`` (temporaries, arguments, outputs) and ``cost_analysis()``
 (FLOPs, bytes accessed) of executables compiled from abstract inputs, so anyone can check memory
@@ -13,6 +14,13 @@ on a CPU.
   ``--time-batch N`` also runs each policy at batch N on this machine and reports the median
   step time (the full batch would take minutes per step on a CPU). ``--kernel-standin`` swaps
   the GLA kernel for one that keeps only its inputs, to see how much of a step is the kernel's.
+- ``decode``: one ``decode_step`` of W sequences (state donated), bytes accessed against the
+  minimum (weights read once + the state read and written once) and temporaries against the
+  state. Caveat: XLA:CPU's cost analysis counts a while loop's body once, not once per
+  iteration, so with the layers scanned "bytes accessed" undercounts the 24 layers; the
+  temporaries are exact. XLA:CPU also upcasts bf16 dots to fp32 and hoists those converts out
+  of the layer loop (fp32 copies of the weights), so bf16 temporaries on CPU are not what a
+  GPU allocates; ``--compute-dtype float32 --weights-dtype float32`` is the CPU-native case.
 """
 
 from __future__ import annotations
@@ -122,6 +130,41 @@ def step_report(config: str, batch: int, seq: int, dtype: str, remat: str, time_
     return rep
 
 
+def decode_report(config: str, width: int, weights_dtype: str, compute_dtype: str | None) -> dict:
+    import dataclasses
+
+    from laplace_jax.config import load_config_file, model_config
+    from laplace_jax.models.gla_lm import abstract_params, decode_step, init_state
+
+    cfg = model_config(load_config_file(config))
+    cfg = dataclasses.replace(cfg, dtype=compute_dtype or cfg.dtype)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(weights_dtype)), abstract_params(cfg))
+    state = jax.eval_shape(lambda: init_state(cfg, width))
+    token = jax.ShapeDtypeStruct((width,), jnp.int32)
+    step = jax.jit(lambda p, t, s: decode_step(cfg, p, t, s), donate_argnums=(2,))
+    compiled = step.lower(params, token, state).compile()
+    m = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    w_bytes, s_bytes = nbytes(params), nbytes(state)
+    minimum = w_bytes + 2 * s_bytes
+    accessed = float(cost.get("bytes accessed", 0.0))
+    return {
+        "config": config,
+        "width": width,
+        "weights_dtype": weights_dtype,
+        "compute_dtype": cfg.dtype,
+        "weights_bytes": w_bytes,
+        "state_bytes": s_bytes,
+        "min_bytes": minimum,
+        "bytes_accessed": accessed,
+        "bytes_over_min": accessed / minimum,
+        "temporaries_bytes": int(m.temp_size_in_bytes),
+        "logits_bytes": width * cfg.vocab_size * 4,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -140,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="replace chunk_gla by a stand-in whose autodiff keeps only its inputs (to attribute memory)",
     )
-    for p in (k, s):
+    d = sub.add_parser("decode", help="one decode step of a config at W slots: bytes accessed vs the minimum")
+    d.add_argument("--config", required=True)
+    d.add_argument("--width", type=int, nargs="+", default=[256])
+    d.add_argument("--weights-dtype", default="bfloat16")
+    d.add_argument("--compute-dtype", default=None, help="override model.dtype (default: the config's)")
+    for p in (k, s, d):
         p.add_argument("--out", default=None, help="write the JSON result here")
     a = ap.parse_args(argv)
     res = {"device": jax.devices()[0].device_kind, "host": host.processor() or host.machine(), "jax": jax.__version__}
@@ -152,6 +200,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['temporaries_over_io']:.2f}x inputs + outputs ({r['inputs_plus_outputs_bytes'] / GiB:.3f} GiB); "
             f"chunk states {r['chunk_states_bytes'] / GiB:.3f} GiB"
         )
+    elif a.what == "decode":
+        res["decode"] = []
+        cols = ("W", "weights GB", "state GB", "min GB", "accessed GB", "x min", "temps GiB")
+        print(" ".join(f"{c:>{max(6, len(c))}}" for c in cols))
+        for w in a.width:
+            r = decode_report(a.config, w, a.weights_dtype, a.compute_dtype)
+            res["decode"].append(r)
+            print(
+                f"{w:>6} {r['weights_bytes'] / 1e9:>10.2f} {r['state_bytes'] / 1e9:>8.2f} {r['min_bytes'] / 1e9:>6.2f} "
+                f"{r['bytes_accessed'] / 1e9:>11.2f} {r['bytes_over_min']:>6.3f} {r['temporaries_bytes'] / GiB:>9.3f}",
+                flush=True,
+            )
     else:
         res.update(config=a.config, batch=a.batch, seq=a.seq, dtype=a.dtype, policies=[])
         print(f"{a.config}: train step, batch {a.batch} x {a.seq}, {a.dtype} compute, one device")

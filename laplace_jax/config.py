@@ -35,7 +35,8 @@ class ModelConfig:
     "chunk" elsewhere); dtype: compute dtype (params stay float32, logits are float32); remat: what each
     layer keeps for the backward: "none" (everything), "full" (only its input), "save_dots"
     (matmul outputs), "save_gla" (the GLA kernel's inputs and chunk states). True / False are
-    read as "full" / "none" (older configs).
+    read as "full" / "none" (older configs); scan_layers: False unrolls the layer loop (same
+    parameters; longer compiles, and XLA's cost analysis then counts every layer).
     """
 
     vocab_size: int = 256
@@ -59,6 +60,7 @@ class ModelConfig:
     attn_impl: str = "chunk"
     dtype: str = "float32"
     remat: str = "none"
+    scan_layers: bool = True
     max_seq_len: int = 2048
 
     def __post_init__(self) -> None:

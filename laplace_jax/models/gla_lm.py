@@ -7,7 +7,9 @@
 All three share one parameter tree. Layers are stacked on a leading axis of size n_layers and
 run with ``nn.scan`` (compile time flat in depth), optionally rematerialised. The per-sequence
 state is a dict of stacked arrays: ``gla`` [L, B, H, dk, dv] float32 and, with short conv,
-``conv_q`` / ``conv_k`` / ``conv_v`` [L, B, W, channels] in the compute dtype.
+``conv_q`` / ``conv_k`` / ``conv_v`` [L, B, W, channels] in the compute dtype. The stack rides
+in the scan's carry and each layer updates its own slice in place (dynamic-update-slice), so a
+donated state is read and written once per step with no state-sized copy.
 """
 
 from __future__ import annotations
@@ -38,17 +40,23 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, carry: tuple[Array, Array | None], state: dict | None) -> tuple[tuple, dict | None]:
-        x_BxTxD, lengths_B = carry
+    def __call__(self, carry: tuple[Array, Array | None, State | None], layer: Array) -> tuple[tuple, None]:
+        """carry: (x [B, T, D], lengths [B] or None, the whole state stack or None); layer: this layer's index."""
+        x_BxTxD, lengths_B, stack = carry
         cfg = self.cfg
         dt = cfg.compute_dtype
         x_BxTxD = nn.with_logical_constraint(x_BxTxD, ("batch", "length", "act_embed"))
+        state = (
+            None if stack is None else jax.tree.map(lambda s: jax.lax.dynamic_index_in_dim(s, layer, 0, False), stack)
+        )
         attn = GatedLinearAttention(cfg, name="attn")
         h, state = attn(RMSNorm(cfg.norm_eps, dt, name="attn_norm")(x_BxTxD), state, lengths_B)
+        if stack is not None:
+            stack = jax.tree.map(lambda s, n: jax.lax.dynamic_update_index_in_dim(s, n, layer, 0), stack, state)
         x_BxTxD = x_BxTxD + h
         mlp = SwiGLU(cfg.intermediate_size, dtype=dt, init_std=cfg.init_std, name="mlp")
         x_BxTxD = x_BxTxD + mlp(RMSNorm(cfg.norm_eps, dt, name="mlp_norm")(x_BxTxD))
-        return (x_BxTxD, lengths_B), state
+        return (x_BxTxD, lengths_B, stack), None
 
 
 class GLALM(nn.Module):
@@ -79,9 +87,10 @@ class GLALM(nn.Module):
             in_axes=0,
             out_axes=0,
             length=cfg.n_layers,
+            unroll=1 if cfg.scan_layers else cfg.n_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        (x, _), state = stack(cfg, name="layers")((x, lengths_B), state)
+        (x, _, state), _ = stack(cfg, name="layers")((x, lengths_B, state), jnp.arange(cfg.n_layers))
         x = RMSNorm(cfg.norm_eps, dt, name="norm")(x)
         if cfg.tie_embeddings:
             table = embed.embedding.astype(dt)

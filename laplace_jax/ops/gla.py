@@ -57,7 +57,9 @@ def gla_step(
     state = jnp.exp(g.astype(f32))[..., None] * state.astype(f32) + (
         k.astype(f32)[..., :, None] * v.astype(f32)[..., None, :]
     )
-    o = jnp.einsum("bhk,bhkv->bhv", q.astype(f32) * scale, state)
+    # a product and a reduction over K, not a dot: it fuses with the update above, so the state is
+    # read and written once in whatever layout it has (no transposed copy for a GEMM)
+    o = jnp.sum((q.astype(f32) * scale)[..., :, None] * state, axis=-2)
     return o.astype(v.dtype), state
 
 
