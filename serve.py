@@ -3,6 +3,7 @@
     python serve.py                                   # newest train.py run under runs/
     python serve.py --checkpoint runs/tiny --port 8000 --max-num-seqs 16
     python serve.py --checkpoint out/gla-1.3B --tokenizer llama/tokenizer.json
+    python serve.py --devices 8 --max-num-seqs 20 --weights-dtype bfloat16   # 8 x 20 slots
 
 Every executable (prefill chunk, insert, one decode loop per bucket width, row move) is compiled
 before /health reports ready; with --compile-cache-dir a restart compiles nothing.
@@ -27,7 +28,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-name", default=None, help="model id clients send (default: directory name)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--max-num-seqs", type=int, default=8, help="decode slots (sequences decoded together)")
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="decode slots per device (sequences decoded together)")
+    ap.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="local devices to spread the slots over, along a 'data' mesh axis with the weights replicated "
+        "on each (default: all local devices)",
+    )
     ap.add_argument(
         "--decode-buckets",
         default="pow2",
@@ -41,6 +49,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--exact",
         action="store_true",
         help="reproducibility over speed: float32 compute, no excess precision, deterministic XLA ops",
+    )
+    ap.add_argument(
+        "--weights-dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype the weights are cast to once at load (default: the model's compute dtype; --exact: float32)",
     )
     ap.add_argument("--compile-cache-dir", default=None, help="persistent compile cache (JAX; Neuron's on Neuron)")
     ap.add_argument("--temperature", type=float, default=1.0, help="default sampling temperature")
@@ -77,9 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         from laplace_jax.platform import set_compile_cache
 
         set_compile_cache(a.compile_cache_dir)
+    import jax
+
     from laplace_jax.cli import UserError
     from laplace_jax.serve.engine import Engine, SamplingParams
-    from laplace_jax.serve.loading import load_for_serving, newest_workdir
+    from laplace_jax.serve.loading import cast_params, load_for_serving, newest_workdir
     from laplace_jax.serve.metrics import ServeMetrics
     from laplace_jax.serve.server import Server, make_uvicorn
 
@@ -88,7 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg, params, tok, name = load_for_serving(path, a.tokenizer)
         if a.exact:
             cfg = dataclasses.replace(cfg, dtype="float32")
+        weights_dtype = "float32" if a.exact else (a.weights_dtype or cfg.dtype)
+        params = cast_params(params, weights_dtype)
         buckets = a.decode_buckets if a.decode_buckets in ("pow2", "exact") else a.decode_buckets.split(",")
+        local = jax.local_devices()
+        if a.devices is not None and not 1 <= a.devices <= len(local):
+            raise UserError(f"--devices must lie in 1..{len(local)} (the local {local[0].platform} devices)")
         engine = Engine(
             cfg,
             params,
@@ -100,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=a.max_model_len or cfg.max_seq_len,
             max_queue=a.max_queue,
             metrics=ServeMetrics(),
+            devices=local[: a.devices or len(local)],
         )
     except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -115,13 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         drain_timeout=a.drain_timeout,
     )
     print(
-        f"serving {path} as {server.model_name!r} on http://{a.host}:{a.port} ({cfg.dtype} compute"
-        f"{', exact' if a.exact else ''})"
+        f"serving {path} as {server.model_name!r} on http://{a.host}:{a.port} ({cfg.dtype} compute, "
+        f"{weights_dtype} weights{', exact' if a.exact else ''})"
     )
     print(
-        f"  state per sequence {engine.state_bytes:,} B x {engine.S} slots = {engine.state_bytes * engine.S:,} B "
-        f"reserved; decode buckets {engine.buckets or 'exact (compiled on demand)'}; prefill chunk {engine.P}"
+        f"  {engine.D} device(s) x {engine.S} slots; state per sequence {engine.state_bytes:,} B, "
+        f"{engine.state_bytes * engine.S:,} B reserved per device"
     )
+    print(f"  decode buckets (per device) {engine.buckets or 'exact (compiled on demand)'}; prefill chunk {engine.P}")
     guarded = "/v1/* and /metrics" if a.protect_metrics else "/v1/*"
     print(f"  auth: {f'API key required on {guarded}' if a.api_key else 'off (no --api-key)'}")
     make_uvicorn(server, a.host, a.port).run()

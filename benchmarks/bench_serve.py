@@ -1,7 +1,16 @@
-"""Serving benchmarks on this machine: throughput and TPOT vs concurrency, context-length
-flatness, compile share with buckets vs exact widths, cold vs warm time to ready.
+"""Serving benchmarks on this machine: throughput and TPOT vs concurrency, decode against the
+memory-bandwidth roofline per bucket, context-length flatness, compile share with buckets vs
+exact widths, cold vs warm time to ready.
 
     python -m benchmarks.bench_serve [--configs tiny small_100m] --out benchmarks/results/serve_cpu.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.bench_serve --configs tiny \\
+        --devices 8 --sections concurrency roofline --out benchmarks/results/serve_cpu_8dev.json
+
+Roofline: one compiled decode call per bucket W (``steps_per_call`` tokens for W slots on each of
+D devices) must read every device's weights and read + write each slot's state once per token;
+those bytes over the median call time, against the copy bandwidth measured in the same run
+(``bench_gla.copy_bandwidth``; fake CPU devices share the host's memory, so the roofline is the
+host's).
 
 Models have random weights (throughput does not depend on them); requests use random token ids
 with ignore_eos so every request produces exactly output_len tokens. Each server runs in this
@@ -12,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -23,6 +31,7 @@ import httpx
 import jax
 import portpicker
 
+from benchmarks.common import write_result
 from laplace_jax.checkpoint import save_model
 from laplace_jax.config import load_config_file, model_config
 from laplace_jax.data.tokenizer import ByteTokenizer
@@ -32,9 +41,11 @@ from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.metrics import ServeMetrics
 from laplace_jax.serve.server import BackgroundServer, Server
 
+DEVICES = 1  # set from --devices
+
 
 def start(cfg, params, **kw) -> BackgroundServer:
-    engine = Engine(cfg, params, eos_id=0, metrics=ServeMetrics(), **kw)
+    engine = Engine(cfg, params, eos_id=0, metrics=ServeMetrics(), devices=jax.devices()[:DEVICES], **kw)
     return BackgroundServer(Server(engine, ByteTokenizer(), "m"), portpicker.pick_unused_port())
 
 
@@ -54,7 +65,9 @@ def metric_sum(srv: BackgroundServer, name: str, label: str = "") -> float:
 
 
 def concurrency_sweep(cfg, params, levels, out_len) -> dict:
-    srv = start(cfg, params, max_num_seqs=max(levels), prefill_chunk=128, steps_per_call=8, max_model_len=4096)
+    per_device = -(-max(levels) // DEVICES)
+    print(f"  {DEVICES} device(s) x {per_device} slots")
+    srv = start(cfg, params, max_num_seqs=per_device, prefill_chunk=128, steps_per_call=8, max_model_len=4096)
     res = {}
     for c in levels:
         r = load(srv, num_prompts=max(8, 2 * c), input_len=128, output_len=out_len, max_concurrency=c)
@@ -88,6 +101,36 @@ def context_flatness(cfg, params, out_len) -> dict:
     return res
 
 
+def decode_roofline(cfg, params, widths, steps=8, repeats=10) -> dict:
+    """Decode tok/s and the fraction of the bandwidth roofline per bucket W (see module doc)."""
+    from benchmarks.bench_gla import copy_bandwidth
+    from laplace_jax.platform import median_seconds
+
+    eng = Engine(
+        cfg, params, eos_id=0, max_num_seqs=max(widths), buckets=widths, steps_per_call=steps,
+        devices=jax.devices()[:DEVICES],
+    )  # fmt: skip
+    eng.warmup()
+    bw = copy_bandwidth()
+    weights = sum(x.nbytes for x in jax.tree.leaves(eng.programs.params))  # all replicas
+    out = {"copy_bandwidth_bytes_per_s": bw, "weights_bytes_all_devices": weights, "buckets": {}}
+    print(f"  roofline: copy bandwidth {bw / 1e9:.1f} GB/s; weights {weights / 1e6:.1f} MB over {DEVICES} device(s)")
+    for W in widths:
+        t = median_seconds(lambda W=W: eng.programs.decode(W)[0], repeats=repeats, warmup=2)
+        moved = steps * (weights + 2 * eng.state_bytes * W * DEVICES)
+        r = out["buckets"][W] = {
+            "call_s": t,
+            "tokens_per_s": steps * W * DEVICES / t,
+            "min_bytes_per_call": moved,
+            "fraction_of_bandwidth": moved / t / bw,
+        }
+        print(
+            f"  W={W:>3} per device: {r['tokens_per_s']:9.0f} tok/s, {1e3 * t / steps:.2f} ms/token step, "
+            f"{100 * r['fraction_of_bandwidth']:.1f}% of the bandwidth roofline"
+        )
+    return out
+
+
 def decode_step_vs_context(cfg, params, width=4, repeats=30) -> dict:
     """Median time of one compiled decode call (steps_per_call tokens, ``width`` rows) after prompts
     of 128 vs 8,192 tokens: the state has the same size, so the time should not move."""
@@ -113,12 +156,9 @@ def decode_step_vs_context(cfg, params, width=4, repeats=30) -> dict:
             ids = np.random.default_rng(n).integers(1, 256, n).tolist()
             eng.submit(Request(ids, SamplingParams(max_tokens=10_000, ignore_eos=True), lambda *_: None))
         eng._admit()  # prefill every prompt into the slots (host thread, no server)
-        ex = eng._get("decode", width)
-        holder = {"slots": eng.slots}
 
-        def call(ex=ex, holder=holder, eng=eng):
-            holder["slots"], toks, _ = ex(eng.params, holder["slots"])
-            return toks
+        def call(eng=eng, width=width):
+            return eng.programs.decode(width)[0]
 
         out[n] = median_seconds(call, repeats=repeats, warmup=3)
         print(f"  decode call after {n:>5}-token prompts: {1e3 * out[n]:.3f} ms (8 tokens x {width} rows)")
@@ -191,27 +231,38 @@ def time_to_ready(cfg, params) -> dict:
     return out
 
 
-def main() -> None:
+SECTIONS = ("concurrency", "roofline", "context", "compile", "ready")
+
+
+def main(argv: list[str] | None = None) -> None:
+    global DEVICES
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="+", default=["tiny", "small_100m"])
+    ap.add_argument("--devices", type=int, default=1, help="devices the engine spreads its slots over")
+    ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    res = {"device": jax.devices()[0].device_kind, "configs": {}}
+    a = ap.parse_args(argv)
+    DEVICES = a.devices
+    res = {"device": jax.devices()[0].device_kind, "devices": DEVICES, "configs": {}}
     for name in a.configs:
         cfg = model_config(load_config_file(f"configs/{name}.py"))
         params = init_params(cfg, jax.random.key(0))
         print(f"{name}:")
         r = res["configs"][name] = {}
-        levels = [1, 4, 16, 32] if name == "tiny" else [1, 4, 16]
-        r["concurrency"] = concurrency_sweep(cfg, params, levels, 64 if name == "tiny" else 32)
-        if name == "tiny":
+        tiny = name == "tiny"
+        if "concurrency" in a.sections:
+            levels = ([1, 4, 16, 32] if DEVICES == 1 else [1, 4, 8, 16, 32, 64]) if tiny else [1, 4, 16]
+            r["concurrency"] = concurrency_sweep(cfg, params, levels, 64 if tiny else 32)
+        if "roofline" in a.sections:
+            r["roofline"] = decode_roofline(cfg, params, [1, 4, 16] if tiny else [1, 4])
+        if tiny and "context" in a.sections:
             r["decode_step_vs_context"] = decode_step_vs_context(cfg, params)
             r["context"] = context_flatness(cfg, params, 128)
+        if tiny and "compile" in a.sections:
             r["compile_share"] = {m: compile_share(cfg, params, m) for m in ("pow2", "exact")}
+        if tiny and "ready" in a.sections:
             r["time_to_ready"] = time_to_ready(cfg, params)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=2)
+    write_result(res, "bench_serve", argv, a.out)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The HTTP server on a loopback port: openai client, staggered load, disconnects, 429, errors, warm restart."""
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -8,6 +9,8 @@ import threading
 import time
 
 import httpx
+import jax
+import jax.numpy as jnp
 import numpy as np
 import portpicker
 import pytest
@@ -212,13 +215,16 @@ def test_bench_tool_against_the_server(srv, tmp_path):
     assert res["output_throughput"] > 0 and res["tpot_s"]["p99"] >= res["tpot_s"]["median"] > 0
 
 
-def start_serve_py(tmp_path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """serve.py on the tiny model in a subprocess; returns once /health says ready."""
+def start_serve_py(tmp_path, *extra: str, cpu_devices: int = 1) -> tuple[subprocess.Popen, str]:
+    """serve.py on the tiny model in a subprocess with ``cpu_devices`` fake CPU devices; returns once
+    /health says ready."""
     from laplace_jax.checkpoint import save_model
 
     save_model(str(tmp_path / "m"), CFG, PARAMS)
     port = portpicker.pick_unused_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if cpu_devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cpu_devices}"
     args = ["--checkpoint", str(tmp_path / "m"), "--tokenizer", "byte", "--port", str(port), "--max-num-seqs", "2"]
     proc = subprocess.Popen(
         [sys.executable, "serve.py", *args, "--steps-per-call", "1", *extra],
@@ -266,7 +272,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
         finished = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert finished[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM once it has drained
-        assert "(float32 compute, exact)" in proc.stdout.read()
+        assert "(float32 compute, float32 weights, exact)" in proc.stdout.read()
     finally:
         proc.kill()
 
@@ -291,3 +297,24 @@ def test_sigterm_is_bounded_by_the_drain_timeout(tmp_path):
         assert seconds < 2.0 and exit_seconds < 5.0, (seconds, exit_seconds)
     finally:
         proc.kill()
+
+
+@pytest.mark.slow
+def test_serve_py_spreads_slots_over_all_devices(tmp_path):
+    """serve.py on 8 fake CPU devices (its default: all of them), bf16 weights: greedy text equals the
+    reference decode of the bf16-weight model, and /metrics shows every device's occupancy."""
+    proc, url = start_serve_py(tmp_path, "--weights-dtype", "bfloat16", cpu_devices=8)
+    try:
+        bodies = [{"model": "m", "prompt": f"dev {i}", "max_tokens": 12, "temperature": 0} for i in range(10)]
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            texts = list(pool.map(lambda b: httpx.post(url + "/v1/completions", json=b, timeout=120).json(), bodies))
+        bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+        for b, r in zip(bodies, texts, strict=True):
+            assert r["choices"][0]["text"] == TOK.decode(reference_greedy(TOK.encode(b["prompt"]), 12, params=bf16))
+        metrics = httpx.get(url + "/metrics").text
+        assert 'laplace:device_slots_used{device="7"}' in metrics
+        assert "laplace:device_slots_total 2.0" in metrics
+    finally:
+        proc.kill()
+    out = proc.stdout.read()
+    assert "8 device(s) x 2 slots" in out and "bfloat16 weights" in out

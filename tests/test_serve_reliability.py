@@ -129,7 +129,7 @@ POISON = 7  # a prompt containing this byte makes the prefill fail in the test b
 
 def test_a_failing_prefill_ends_only_that_request(srv):
     eng = srv.engine
-    real = eng._exec[("prefill", 1)]
+    real = eng.programs.executables[("prefill", 1)]
 
     class Poisoned:
         def __call__(self, params, chunk, *rest):
@@ -137,7 +137,7 @@ def test_a_failing_prefill_ends_only_that_request(srv):
                 raise RuntimeError("injected prefill failure")
             return real(params, chunk, *rest)
 
-    eng._exec[("prefill", 1)] = Poisoned()
+    eng.programs.executables[("prefill", 1)] = Poisoned()
     try:
         results = {}
 
@@ -152,7 +152,7 @@ def test_a_failing_prefill_ends_only_that_request(srv):
         for t in threads:
             t.join(120)
     finally:
-        eng._exec[("prefill", 1)] = real
+        eng.programs.executables[("prefill", 1)] = real
     assert bad.status_code == 500 and bad.json()["error"]["type"] == "server_error"
     assert "injected prefill failure" in bad.json()["error"]["message"]
     for i in range(3):
@@ -186,7 +186,7 @@ def test_device_loop_failure_restarts_the_engine():
     s = Running(max_num_seqs=2, prefill_chunk=16, steps_per_call=2, buckets=[2])
     try:
         eng = s.engine
-        real = eng._exec[("decode", 2)]
+        real = eng.programs.executables[("decode", 2)]
         calls = []
 
         def failing(*args):  # the third decode call fails, after some tokens were streamed
@@ -195,7 +195,7 @@ def test_device_loop_failure_restarts_the_engine():
                 raise RuntimeError("injected device failure")
             return real(*args)
 
-        eng._exec[("decode", 2)] = failing
+        eng.programs.executables[("decode", 2)] = failing
         seen = []
         stop_poll = threading.Event()
 
@@ -222,7 +222,7 @@ def test_device_loop_failure_restarts_the_engine():
         assert err["type"] == "server_error" and "injected device failure" in err["message"]
         # /health said 503 "restarting" with the reason, then recovered
         assert any(code == 503 and "restarting" in text and "injected" in text for code, text in seen)
-        assert eng.restarts == 1 and eng._exec[("decode", 2)] is not real  # rebuilt, not the patched one
+        assert eng.restarts == 1 and eng.programs.executables[("decode", 2)] is not real  # rebuilt, not the patched one
         assert metric(s, "laplace:engine_restarts_total") == 1
         assert_healthy(s)
     finally:

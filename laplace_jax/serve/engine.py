@@ -1,44 +1,43 @@
-"""The serving engine: S decode slots with a fixed per-sequence state, continuous batching.
+"""The serving engine's scheduler: queue, slots per device, compaction, the engine thread.
 
-Device side (all AOT-compiled at warmup, held as ``Compiled`` objects):
-  prefill   [1, P] tokens + valid length -> state, last logits   (one executable for any prompt)
-  insert    sample the first token and write a prefilled sequence into slot i (i traced, donated)
-  decode[W] run ``steps_per_call`` tokens for the first W slots: model step, on-device sampling,
-            EOS / stop-token / max_tokens checks (one executable per bucket width W)
-  move      copy slot j into slot i (keeps live rows contiguous so the smallest bucket serves)
-Host side: one thread runs ``loop()``; requests arrive through ``submit`` (thread-safe) and get
+The device side (slot buffers sharded over devices, the compiled prefill / insert / decode / move
+programs) is ``programs.DevicePrograms``; this module decides what runs and when. The server
+talks to ``Engine``'s public methods only.
+
+Slots: ``max_num_seqs`` per device on each of D devices. A request goes to the least-loaded
+device (fewest live slots; the lowest index on a tie) and lives in that device's slot
+``len(rows[d])``; when one finishes, that device's last live slot moves into the hole
+(compaction), so live slots are always the first n_d of each device and decode[W] serves them
+with W the smallest bucket >= max_d n_d. Admission prefills up to one new request per device in
+one call. One thread runs ``loop()``; requests arrive through ``submit`` (thread-safe) and get
 their tokens through a callback. Compiles are counted from JAX's own events (``compiles.py``)
 and must stay at 0 in phase "serving" for bucketed widths; ``buckets="exact"`` compiles each new
 width on demand (kept to measure the cost of unbucketed widths).
 
-Fault isolation: a failure while preparing one request (prefill, its sampling row) ends that
-request with an error and the loop goes on. A failure of the shared device loop (insert,
-decode, move: they donate the slot buffers) ends the requests in the slots, rebuilds the slots,
-re-warms (from the persistent compile cache when one is set) and serves the queue again; more
-than ``MAX_RESTARTS`` within ``RESTART_WINDOW_S`` marks the engine dead.
+Fault isolation: when preparing requests (prefill, sampling rows) fails, each is retried alone,
+and only a request that fails alone is ended with an error. A failure of the shared device loop
+(insert, decode, move: they donate the slot buffers) ends the requests in the slots, rebuilds
+the slots, re-warms (from the persistent compile cache when one is set) and serves the queue
+again; more than ``MAX_RESTARTS`` within ``RESTART_WINDOW_S`` marks the engine dead.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from laplace_jax.config import ModelConfig
-from laplace_jax.models.gla_lm import decode_step, init_state, prefill
 from laplace_jax.serve.compiles import CompileCounter
-from laplace_jax.serve.sampling import sample_rows
+from laplace_jax.serve.programs import MAX_STOP_IDS, DevicePrograms
 
-MAX_STOP_IDS = 16  # EOS + up to 15 stop_token_ids per request, checked on device
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 2.0
 MAX_RESTARTS, RESTART_WINDOW_S = 3, 600.0
@@ -151,34 +150,44 @@ class Engine:
         max_model_len: int = 2048,
         max_queue: int = 64,
         metrics: Any = None,
+        devices: Sequence[jax.Device] | None = None,
     ):
-        self.cfg, self.params, self.eos_id = cfg, params, eos_id
+        """``max_num_seqs``: decode slots per device; ``devices``: where slots live (default: the
+        first local device; ``serve.py`` passes all of them)."""
+        self.cfg, self.eos_id = cfg, eos_id
         self.S, self.P, self.K = max_num_seqs, prefill_chunk, steps_per_call
         self.max_model_len, self.max_queue = max_model_len, max_queue
         self.buckets = make_buckets(buckets, max_num_seqs)
         self.metrics = metrics
         self.compiles = CompileCounter(metrics.on_compile if metrics is not None else None)
+        self.devices = list(devices) if devices else jax.local_devices()[:1]
+        self.D = len(self.devices)
         self.ready = False
         self.dead: str | None = None
         self.restarts = 0
         self.restarting: str | None = None  # the failure being recovered from
         self._restart_times: collections.deque[float] = collections.deque()
-        self._exec: dict[tuple[str, int], Any] = {}
         self._waiting: collections.deque[Request] = collections.deque()
-        self._rows: list[Request] = []  # live requests, row i <-> slot i
-        self._admitting: Request | None = None
+        self._rows: list[list[Request]] = [[] for _ in range(self.D)]  # live requests: rows[d][i] <-> slot i of d
+        self._admitting: list[Request] = []
         self._cv = threading.Condition()
         self._stop = False
         self._draining = False
         self._deadline = math.inf  # drain deadline (perf_counter): then every request ends with "shutdown"
         self._seeds = np.random.default_rng()
-        self.slots = self._init_slots()
-        self._fresh = init_state(self.cfg, 1)  # prefill's starting state (never donated, reused)
-        self.state_bytes = sum(x.nbytes for x in jax.tree.leaves(self.slots["model"])) // self.S
+        self.programs = DevicePrograms(cfg, params, self.devices, max_num_seqs, prefill_chunk, steps_per_call)
+        self.state_bytes = self.programs.state_bytes
+        if metrics is not None:
+            metrics.set_devices(self.D, self.S)
 
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
+
+    @property
+    def num_slots(self) -> int:
+        """Decode slots over all devices."""
+        return self.D * self.S
 
     def status(self) -> tuple[str, str]:
         """("ready" | "warming" | "restarting" | "dead", a sentence saying why)."""
@@ -190,108 +199,28 @@ class Engine:
             return "warming", "warming up"
         return "ready", f"ready ({self.restarts} restarts)"
 
-    # ----- device functions -------------------------------------------------------------
-    def _init_slots(self) -> dict:
-        S = self.S
-        rows = {
-            "token": jnp.zeros((S,), jnp.int32),
-            "temperature": jnp.zeros((S,), jnp.float32),
-            "top_k": jnp.zeros((S,), jnp.int32),
-            "top_p": jnp.ones((S,), jnp.float32),
-            "key": jnp.zeros((S, 2), jnp.uint32),
-            "count": jnp.zeros((S,), jnp.int32),
-            "remaining": jnp.zeros((S,), jnp.int32),
-            "stop_ids": jnp.full((S, MAX_STOP_IDS), -1, jnp.int32),
-            "done": jnp.ones((S,), bool),
-        }
-        return {"model": init_state(self.cfg, S), "rows": rows}
-
-    def _prefill(self, params, tokens_1xP, state, length_1):
-        logits, state = prefill(self.cfg, params, tokens_1xP, state, length_1)
-        return logits[0, length_1[0] - 1][None], state
-
-    def _insert(self, slots, state1, logits_1xV, row, slot):
-        key = jax.random.wrap_key_data(row["key"], impl="threefry2x32")
-        first = sample_rows(
-            logits_1xV,
-            row["temperature"][None],
-            row["top_k"][None],
-            row["top_p"][None],
-            jax.random.fold_in(key, 0)[None],
-        )[0]
-        model = jax.tree.map(
-            lambda s, x: jax.lax.dynamic_update_slice_in_dim(s, x.astype(s.dtype), slot, 1), slots["model"], state1
-        )
-        rows = dict(row, token=first, count=jnp.int32(1), done=jnp.bool_(False))
-        rows = {k: slots["rows"][k].at[slot].set(v) for k, v in rows.items()}
-        return {"model": model, "rows": rows}, first
-
-    def _decode(self, params, slots, W: int):
-        sub = {
-            "model": jax.tree.map(lambda x: x[:, :W], slots["model"]),
-            "rows": jax.tree.map(lambda x: x[:W], slots["rows"]),
-        }
-
-        def step(sub, _):
-            r = sub["rows"]
-            logits, model = decode_step(self.cfg, params, r["token"], sub["model"])
-            keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl="threefry2x32"), r["count"])
-            tok = sample_rows(logits, r["temperature"], r["top_k"], r["top_p"], keys)
-            valid = ~r["done"]
-            tok = jnp.where(valid, tok, r["token"])
-            remaining = r["remaining"] - valid
-            stop = jnp.any(tok[:, None] == r["stop_ids"], axis=-1)
-            done = r["done"] | (valid & (stop | (remaining <= 0)))
-            rows = dict(r, token=tok, count=r["count"] + 1, remaining=remaining, done=done)
-            return {"model": model, "rows": rows}, (tok, valid)
-
-        sub, (toks, valid) = jax.lax.scan(step, sub, None, length=self.K)
-        model = jax.tree.map(lambda s, x: jax.lax.dynamic_update_slice_in_dim(s, x, 0, 1), slots["model"], sub["model"])
-        rows = jax.tree.map(lambda s, x: jax.lax.dynamic_update_slice_in_dim(s, x, 0, 0), slots["rows"], sub["rows"])
-        return {"model": model, "rows": rows}, toks, valid
-
-    def _move(self, slots, src, dst):
-        take = lambda x, axis: jax.lax.dynamic_index_in_dim(x, src, axis, keepdims=True)  # noqa: E731
-        model = jax.tree.map(lambda x: jax.lax.dynamic_update_slice_in_dim(x, take(x, 1), dst, 1), slots["model"])
-        rows = jax.tree.map(lambda x: jax.lax.dynamic_update_slice_in_dim(x, take(x, 0), dst, 0), slots["rows"])
-        return {"model": model, "rows": rows}
+    def occupancy(self) -> list[int]:
+        """Live slots per device."""
+        return [len(r) for r in self._rows]
 
     # ----- compilation ------------------------------------------------------------------
-    def _compile(self, name: str, width: int, fn, args: tuple, donate: tuple[int, ...]):
-        compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
-        self._exec[(name, width)] = compiled
-        return compiled
-
-    def _decode_program(self, width: int) -> tuple:
-        return ("decode", width, functools.partial(self._decode, W=width), (self.params, self.slots), (1,))
-
-    def _get(self, name: str, width: int):
-        ex = self._exec.get((name, width))
-        if ex is not None:
-            return ex
-        if name != "decode" or self.buckets is not None:
-            raise RuntimeError(f"no compiled {name}[{width}] after warmup")  # never recompile silently
-        return self._compile(*self._decode_program(width))
+    def _ensure_decode(self, width: int) -> None:
+        """decode[width] must exist after warmup; only ``buckets="exact"`` compiles new widths here."""
+        if self.programs.get("decode", width) is not None:
+            return
+        if self.buckets is not None:
+            raise RuntimeError(f"no compiled decode[{width}] after warmup")  # never recompile silently
+        self.programs.compile(*self.programs.decode_program(width))
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile every executable the serving phase can need (all buckets), on the calling thread."""
         self.compiles.claim_thread()
         self.compiles.phase = "warmup"
-        one = jax.eval_shape(lambda: init_state(self.cfg, 1))
-        row = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._row_params(SamplingParams(seed=0)))
-        V = self.cfg.vocab_size
-        i32 = jax.ShapeDtypeStruct((), jnp.int32)
-        tokens, length = jax.ShapeDtypeStruct((1, self.P), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
-        programs = [
-            ("prefill", 1, self._prefill, (self.params, tokens, one, length), ()),
-            ("insert", 1, self._insert, (self.slots, one, jax.ShapeDtypeStruct((1, V), jnp.float32), row, i32), (0,)),
-            ("move", 1, self._move, (self.slots, i32, i32), (0,)),
-        ]
-        programs += [self._decode_program(w) for w in self.buckets or []]
+        programs = self.programs.programs(self.buckets or [])
         for n, program in enumerate(programs):
             if progress:
                 progress(f"compiling {program[0]}[{program[1]}] ({n + 1}/{len(programs)})")
-            self._compile(*program)
+            self.programs.compile(*program)
         self.compiles.phase = "serving"
         self.ready = True
 
@@ -327,7 +256,8 @@ class Engine:
             self._cv.notify()
 
     def counts(self) -> tuple[int, int]:
-        return len(self._rows), len(self._waiting)
+        """(running, waiting) requests."""
+        return sum(len(r) for r in self._rows), len(self._waiting)
 
     def bucket_for(self, n: int) -> int:
         return n if self.buckets is None else next(w for w in self.buckets if w >= n)
@@ -342,7 +272,7 @@ class Engine:
     def stop(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop admitting; with ``drain`` let in-flight requests finish (at most ``timeout`` s), then end the loop."""
         self.begin_drain(timeout if drain else 0.0)
-        while (self._rows or self._waiting) and self.dead is None and time.perf_counter() < self._deadline + 5.0:
+        while self.counts() != (0, 0) and self.dead is None and time.perf_counter() < self._deadline + 5.0:
             time.sleep(0.02)
         with self._cv:
             self._stop = True
@@ -351,7 +281,7 @@ class Engine:
     def run_until_idle(self) -> None:
         """Serve every submitted request to completion on the calling thread (batch jobs, evals)."""
         self.compiles.claim_thread()
-        while self._rows or self._waiting:
+        while self.counts() != (0, 0):
             self._step()
 
     def loop(self) -> None:
@@ -359,7 +289,7 @@ class Engine:
         self.compiles.claim_thread()
         while True:
             with self._cv:
-                while not self._stop and not self._rows and not self._waiting:
+                while not self._stop and self.counts() == (0, 0):
                     self._cv.wait(0.1)
                 if self._stop:
                     return
@@ -370,24 +300,27 @@ class Engine:
                     return
 
     # ----- host internals ---------------------------------------------------------------
+    def _live(self) -> list[Request]:
+        return [r for rows in self._rows for r in rows]
+
     def _step(self) -> None:
         if time.perf_counter() >= self._deadline:
             self._end_all("shutdown")
             return
         self._admit()
         self._reap_cancelled()
-        if self._rows:
+        if any(self._rows):
             self._decode_once()
 
     def _end_all(self, reason: str, message: str | None = None) -> None:
         with self._cv:
             waiting, self._waiting = list(self._waiting), collections.deque()
-        for r in [*self._rows, *waiting]:
+        for r in [*self._live(), *waiting]:
             if reason == "error":
                 r.fail(message or "the engine failed")
             else:
                 r.send([], reason)
-        self._rows = []
+        self._rows = [[] for _ in range(self.D)]
 
     def _recover(self, reason: str) -> bool:
         """Rebuild the slots and re-warm after a device-loop failure; False if the engine gave up."""
@@ -396,9 +329,9 @@ class Engine:
         while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
             self._restart_times.popleft()
         message = f"the engine's device loop failed ({reason}); the request was ended and the engine restarted"
-        for r in [*self._rows, *([self._admitting] if self._admitting else [])]:
+        for r in [*self._live(), *self._admitting]:
             r.fail(message)
-        self._rows, self._admitting = [], None
+        self._rows, self._admitting = [[] for _ in range(self.D)], []
         if len(self._restart_times) > MAX_RESTARTS:
             self.dead = f"{reason} ({len(self._restart_times)} device-loop failures within {RESTART_WINDOW_S:.0f} s)"
             self._end_all("error", f"engine failed: {self.dead}")
@@ -408,8 +341,8 @@ class Engine:
         if self.metrics is not None:
             self.metrics.restarts.inc()
         try:
-            self._exec.clear()
-            self.slots = self._init_slots()
+            self.programs.executables.clear()
+            self.programs.slots = self.programs.new_slots()
             self.warmup()
         except Exception as e:
             self.dead = f"restart after {reason} failed: {type(e).__name__}: {e}"
@@ -434,46 +367,68 @@ class Engine:
             "stop_ids": np.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), np.int32),
         }
 
-    def _prefill_prompt(self, ids: list[int]):
-        """Run the prompt through the prefill executable chunk by chunk: (state [1 slot], last logits)."""
-        state, logits = self._fresh, None
-        for start in range(0, len(ids), self.P):
-            piece = ids[start : start + self.P]
-            chunk = np.zeros((1, self.P), np.int32)
-            chunk[0, : len(piece)] = piece
-            logits, state = self._get("prefill", 1)(self.params, chunk, state, np.asarray([len(piece)], np.int32))
-        return state, logits
+    def _place(self) -> dict[int, Request]:
+        """Take up to one waiting request per device with a free slot, least-loaded devices first."""
+        free = sorted((len(rows), d) for d, rows in enumerate(self._rows) if len(rows) < self.S)
+        placed: dict[int, Request] = {}
+        with self._cv:
+            for _, d in free:
+                while self._waiting and not self._stop:
+                    req = self._waiting.popleft()
+                    if req.cancelled:
+                        req.send([], "abort")
+                        continue
+                    placed[d] = req
+                    break
+        return placed
+
+    def _prepare(self, placed: dict[int, Request]):
+        """Prefill the placed prompts together; on failure retry each alone and end only those that
+        fail alone. Returns (states, logits, {device: (slot, sampling row)}) or None if none is left."""
+        try:
+            state, logits = self.programs.prefill_rows({d: r.prompt_ids for d, r in placed.items()})
+            rows = {d: self._row_params(r.sampling) for d, r in placed.items()}
+        except Exception as e:
+            if len(placed) == 1:
+                (req,) = placed.values()
+                req.fail(f"this request failed during prefill: {type(e).__name__}: {e}")
+                return None
+            for d, req in list(placed.items()):  # isolate the failing request(s)
+                if self._prepare({d: req}) is None:
+                    del placed[d]
+            if not placed:
+                return None
+            return self._prepare(placed)
+        for req in placed.values():
+            req.stops = frozenset(self._stop_ids(req.sampling))
+        return state, logits, {d: (len(self._rows[d]), rows[d]) for d in placed}
 
     def _admit(self) -> None:
-        while len(self._rows) < self.S:
-            with self._cv:
-                if not self._waiting or self._stop:
-                    return
-                req = self._waiting.popleft()
-            if req.cancelled:
-                req.send([], "abort")
+        while True:
+            placed = self._place()
+            if not placed:
+                return
+            now = time.perf_counter()
+            for req in placed.values():
+                req.started_at = now
+            self._admitting = list(placed.values())
+            prepared = self._prepare(dict(placed))
+            if prepared is None:
+                self._admitting = []
                 continue
-            self._admitting = req
-            req.started_at = time.perf_counter()
-            try:  # failures here belong to this request alone: nothing shared was donated yet
-                state, logits = self._prefill_prompt(req.prompt_ids)
-                row = self._row_params(req.sampling)
-                req.stops = frozenset(self._stop_ids(req.sampling))
-            except Exception as e:
-                self._admitting = None
-                req.fail(f"this request failed during prefill: {type(e).__name__}: {e}")
-                continue
-            slot = len(self._rows)
-            self.slots, first = self._get("insert", 1)(self.slots, state, logits, row, np.int32(slot))
-            first = int(first)
-            self._admitting = None
-            req.first_token_at = time.perf_counter()
-            if self.metrics is not None:
-                self.metrics.on_first_token(req)
-            finished = self._accept(req, first)
-            req.send([] if finished == "stop" else [first], finished)
-            if finished is None:
-                self._rows.append(req)
+            state, logits, where = prepared
+            first = self.programs.insert(state, logits, where)  # shared buffers: failures go to _recover
+            self._admitting = []
+            now = time.perf_counter()
+            for d in where:
+                req, tok = placed[d], int(first[d])
+                req.first_token_at = now
+                if self.metrics is not None:
+                    self.metrics.on_first_token(req)
+                finished = self._accept(req, tok)
+                req.send([] if finished == "stop" else [tok], finished)
+                if finished is None:  # else its slot stays past the live ones, to be overwritten
+                    self._rows[d].append(req)
 
     def _accept(self, req: Request, token: int) -> str | None:
         """Count one generated token; return the finish reason it causes (stop tokens are not emitted)."""
@@ -484,45 +439,51 @@ class Engine:
             return "length"
         return None
 
-    def _free(self, idx: list[int]) -> None:
-        for i in sorted(idx, reverse=True):
-            last = len(self._rows) - 1
-            if i != last:
-                self.slots = self._get("move", 1)(self.slots, np.int32(last), np.int32(i))
-                self._rows[i] = self._rows[last]
-            self._rows.pop()
+    def _free(self, idx: dict[int, list[int]]) -> None:
+        """Drop the given local slots per device, moving each device's last live slot into a hole."""
+        for d, slots in idx.items():
+            rows = self._rows[d]
+            for i in sorted(slots, reverse=True):
+                last = len(rows) - 1
+                if i != last:
+                    self.programs.move({d: (last, i)})
+                    rows[i] = rows[last]
+                rows.pop()
 
     def _reap_cancelled(self) -> None:
-        gone = [i for i, r in enumerate(self._rows) if r.cancelled]
-        for i in gone:
-            self._rows[i].send([], "abort")
+        gone: dict[int, list[int]] = {}
+        for d, rows in enumerate(self._rows):
+            for i, r in enumerate(rows):
+                if r.cancelled:
+                    r.send([], "abort")
+                    gone.setdefault(d, []).append(i)
         if gone:
             self._free(gone)
 
     def _decode_once(self) -> None:
-        n = len(self._rows)
-        W = self.bucket_for(n)
+        live = self.occupancy()
+        W = self.bucket_for(max(live))
         t0 = time.perf_counter()
-        ex = self._get("decode", W)
-        self.slots, toks, valid = ex(self.params, self.slots)
-        toks, valid = np.asarray(toks), np.asarray(valid)
-        done_rows = []
-        for i, req in enumerate(self._rows):
-            out, reason = [], None
-            for k in range(self.K):
-                if not valid[k, i]:
-                    break
-                t = int(toks[k, i])
-                reason = self._accept(req, t)
-                if reason != "stop":
-                    out.append(t)
+        self._ensure_decode(W)
+        toks, valid = self.programs.decode(W)
+        done: dict[int, list[int]] = {}
+        for d, rows in enumerate(self._rows):
+            for i, req in enumerate(rows):
+                out, reason = [], None
+                for k in range(self.K):
+                    if not valid[k, d, i]:
+                        break
+                    t = int(toks[k, d, i])
+                    reason = self._accept(req, t)
+                    if reason != "stop":
+                        out.append(t)
+                    if reason:
+                        break
+                if out or reason:
+                    req.send(out, reason)
                 if reason:
-                    break
-            if out or reason:
-                req.send(out, reason)
-            if reason:
-                done_rows.append(i)
+                    done.setdefault(d, []).append(i)
         if self.metrics is not None:
-            self.metrics.on_decode(W, n, time.perf_counter() - t0, self.K)
-        if done_rows:
-            self._free(done_rows)
+            self.metrics.on_decode(W, live, time.perf_counter() - t0, self.K)
+        if done:
+            self._free(done)

@@ -6,6 +6,9 @@ import glob
 import os
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from laplace_jax.checkpoint import CheckpointError, load_model, load_trained
 from laplace_jax.cli import UserError
 from laplace_jax.config import ModelConfig
@@ -44,3 +47,10 @@ def load_for_serving(path: str, tokenizer: str | None = None) -> tuple[ModelConf
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"tokenizer has {tok.vocab_size} ids but the model only {cfg.vocab_size}")
     return cfg, params, tok, os.path.basename(os.path.normpath(path))
+
+
+def cast_params(params: Any, dtype: str) -> Any:
+    """Every floating weight in ``dtype``, once at load (the model casts to its compute dtype per
+    use, so bf16 weights halve what each decode step reads; norms and biases included)."""
+    dt = jnp.dtype(dtype)
+    return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)

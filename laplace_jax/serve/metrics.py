@@ -37,6 +37,8 @@ class ServeMetrics:
         self.compile_seconds = Counter(p + "compile_seconds_total", "Seconds spent compiling", ["phase"], registry=r)
         self.restarts = Counter(p + "engine_restarts_total", "Device-loop failures recovered by a restart", registry=r)
         self.errors = Counter(p + "request_errors_total", "Requests ended by an error, by kind", ["kind"], registry=r)
+        self.device_slots_used = Gauge(p + "device_slots_used", "Live decode slots per device", ["device"], registry=r)
+        self.device_slots_total = Gauge(p + "device_slots_total", "Decode slots per device", registry=r)
         self.cache_hits = Counter(p + "compile_cache_hits_total", "Persistent compile cache hits", registry=r)
         self.cache_misses = Counter(p + "compile_cache_misses_total", "Persistent compile cache misses", registry=r)
         jax.monitoring.register_event_listener(self._on_event)
@@ -57,9 +59,15 @@ class ServeMetrics:
         self.queue.observe(req.started_at - req.arrival)
         self.prompt_tokens.inc(len(req.prompt_ids))
 
-    def on_decode(self, width: int, live: int, seconds: float, steps: int) -> None:
+    def set_devices(self, devices: int, slots_per_device: int) -> None:
+        self.device_slots_total.set(slots_per_device)
+        for d in range(devices):
+            self.device_slots_used.labels(str(d)).set(0)
+
+    def on_decode(self, width: int, live: list[int], seconds: float, steps: int) -> None:
+        """``live``: live slots per device; each device computes ``width`` rows."""
         self.decode_steps.labels(str(width)).inc(steps)
-        self.padding.labels(str(width)).inc((width - live) * steps)
+        self.padding.labels(str(width)).inc(sum(width - n for n in live) * steps)
         self.step_seconds.labels(str(width)).observe(seconds)
         self.itl.observe(seconds / steps)
 

@@ -427,6 +427,8 @@ class Server:
             running, waiting = self.engine.counts()
             self.metrics.running.set(running)
             self.metrics.waiting.set(waiting)
+            for d, n in enumerate(self.engine.occupancy()):
+                self.metrics.device_slots_used.labels(str(d)).set(n)
             return PlainTextResponse(
                 generate_latest(self.metrics.registry).decode(), media_type="text/plain; version=0.0.4"
             )

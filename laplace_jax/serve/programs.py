@@ -1,0 +1,274 @@
+"""The engine's device side: slot buffers sharded over a ``data`` mesh axis and their compiled programs.
+
+Slots: D devices x S slots each. Every slot buffer has its slot axis of size D * S sharded over
+``data`` (device d holds global slots d*S .. d*S + S - 1); the weights are replicated. Each
+program is one SPMD executable over all D devices, AOT-compiled at warmup:
+
+  prefill   tokens [D, P] (row d for device d; length 0 = no request) -> states [D], last logits [D, V]
+  insert    row d's prefilled state and sampling row into device d's local slot i_d (i_d < 0: none);
+            samples the first tokens
+  decode[W] ``steps`` tokens for the first W local slots of every device (W: the per-device bucket)
+  move      per device, copy local slot src_d into dst_d (compaction; src_d == dst_d: nothing)
+
+Every program works on the per-device view [.., D, S, ..] of the slot axis, so no data crosses
+devices. The slot buffers are donated through insert, decode and move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from laplace_jax.config import ModelConfig
+from laplace_jax.models.gla_lm import decode_step, init_state, prefill
+from laplace_jax.serve.sampling import sample_rows
+
+MAX_STOP_IDS = 16  # EOS + up to 15 stop_token_ids per request, checked on device
+MODEL_SLOT_AXIS = 1  # state leaves are [L, slots, ...]
+
+
+def row_template() -> dict[str, tuple[tuple[int, ...], Any, Any]]:
+    """Per-slot sampling fields: name -> (shape, dtype, idle value)."""
+    return {
+        "token": ((), jnp.int32, 0),
+        "temperature": ((), jnp.float32, 0.0),
+        "top_k": ((), jnp.int32, 0),
+        "top_p": ((), jnp.float32, 1.0),
+        "key": ((2,), jnp.uint32, 0),
+        "count": ((), jnp.int32, 0),
+        "remaining": ((), jnp.int32, 0),
+        "stop_ids": ((MAX_STOP_IDS,), jnp.int32, -1),
+        "done": ((), jnp.bool_, True),
+    }
+
+
+REQUEST_FIELDS = ("temperature", "top_k", "top_p", "key", "remaining", "stop_ids")  # set per request at insert
+
+
+def _split(x: jax.Array, axis: int, D: int) -> jax.Array:
+    """[.., D*S, ..] -> [.., D, S, ..] (the per-device view)."""
+    return x.reshape(*x.shape[:axis], D, x.shape[axis] // D, *x.shape[axis + 1 :])
+
+
+def _join(x: jax.Array, axis: int) -> jax.Array:
+    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2 :])
+
+
+class DevicePrograms:
+    """Slot buffers on ``devices`` and the prefill / insert / decode / move executables."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Any,
+        devices: Sequence[jax.Device],
+        slots_per_device: int,
+        prefill_chunk: int,
+        steps_per_call: int,
+    ):
+        self.cfg = cfg
+        self.D, self.S, self.P, self.K = len(devices), slots_per_device, prefill_chunk, steps_per_call
+        self.mesh = Mesh(np.asarray(devices), ("data",))
+        self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
+        self.executables: dict[tuple[str, int], Any] = {}
+        self.slots = self.new_slots()
+        self.fresh = self._put_model(init_state(cfg, self.D))  # prefill's starting states, one per device
+        self.state_bytes = sum(x.nbytes for x in jax.tree.leaves(init_state(cfg, 1)))
+
+    # ----- shardings ----------------------------------------------------------------------
+    def _model_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(None, "data"))
+
+    def _row_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P("data"))
+
+    def _put_model(self, tree):
+        return jax.device_put(tree, self._model_sharding())
+
+    def _constrain(self, slots: dict) -> dict:
+        return {
+            "model": jax.lax.with_sharding_constraint(slots["model"], self._model_sharding()),
+            "rows": jax.lax.with_sharding_constraint(slots["rows"], self._row_sharding()),
+        }
+
+    def new_slots(self) -> dict:
+        """Fresh slot buffers (every slot idle), sharded over the devices."""
+        n = self.D * self.S
+        rows = {k: np.full((n, *shape), idle, dtype) for k, (shape, dtype, idle) in row_template().items()}
+        return {
+            "model": self._put_model(init_state(self.cfg, n)),
+            "rows": jax.device_put(rows, self._row_sharding()),
+        }
+
+    # ----- the programs (traced functions) ------------------------------------------------
+    def _prefill(self, params, tokens_DxP, state, lengths_D, logits_DxV):
+        logits, state = prefill(self.cfg, params, tokens_DxP, state, lengths_D)
+        last = jnp.take_along_axis(logits, jnp.maximum(lengths_D - 1, 0)[:, None, None], axis=1)[:, 0]
+        logits = jnp.where((lengths_D > 0)[:, None], last, logits_DxV)
+        return jax.lax.with_sharding_constraint(logits, self._row_sharding()), state
+
+    def _insert(self, slots, state_D, logits_DxV, req_D, local_D):
+        D = self.D
+        keys = jax.random.wrap_key_data(req_D["key"], impl="threefry2x32")
+        first = sample_rows(
+            logits_DxV,
+            req_D["temperature"],
+            req_D["top_k"],
+            req_D["top_p"],
+            jax.vmap(jax.random.fold_in, (0, None))(keys, 0),
+        )
+        on = local_D >= 0
+        idx = jnp.maximum(local_D, 0)
+
+        def put(buf_S, new, i, use):  # one device's slots; an unused row rewrites slot 0 with itself
+            old = jax.lax.dynamic_index_in_dim(buf_S, i, 0, keepdims=True)
+            return jax.lax.dynamic_update_index_in_dim(buf_S, jnp.where(use, new[None].astype(buf_S.dtype), old), i, 0)
+
+        def put_model(x, new):  # x [L, D*S, ..], new [L, D, ..]
+            xs = jnp.moveaxis(_split(x, MODEL_SLOT_AXIS, D), 1, 0)  # [D, L, S, ..]
+            out = jax.vmap(lambda b, n, i, u: jax.vmap(put, (0, 0, None, None))(b, n, i, u))(
+                xs, jnp.moveaxis(new, 1, 0), idx, on
+            )
+            return _join(jnp.moveaxis(out, 0, 1), MODEL_SLOT_AXIS)
+
+        model = jax.tree.map(put_model, slots["model"], state_D)
+        new_rows = dict(req_D, token=first, count=jnp.ones((D,), jnp.int32), done=jnp.zeros((D,), bool))
+        rows = {k: _join(jax.vmap(put)(_split(slots["rows"][k], 0, D), new_rows[k], idx, on), 0) for k in slots["rows"]}
+        return self._constrain({"model": model, "rows": rows}), first
+
+    def _decode(self, params, slots, W: int):
+        D = self.D
+
+        def take(x, axis):  # the first W local slots of every device, flattened to D*W rows
+            return _join(jax.lax.slice_in_dim(_split(x, axis, D), 0, W, axis=axis + 1), axis)
+
+        def give(x, sub, axis):
+            out = jax.lax.dynamic_update_slice_in_dim(_split(x, axis, D), _split(sub, axis, D), 0, axis + 1)
+            return _join(out, axis)
+
+        sub = {
+            "model": jax.tree.map(lambda x: take(x, MODEL_SLOT_AXIS), slots["model"]),
+            "rows": jax.tree.map(lambda x: take(x, 0), slots["rows"]),
+        }
+
+        def step(sub, _):
+            r = sub["rows"]
+            logits, model = decode_step(self.cfg, params, r["token"], sub["model"])
+            keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl="threefry2x32"), r["count"])
+            tok = sample_rows(logits, r["temperature"], r["top_k"], r["top_p"], keys)
+            valid = ~r["done"]
+            tok = jnp.where(valid, tok, r["token"])
+            remaining = r["remaining"] - valid
+            stop = jnp.any(tok[:, None] == r["stop_ids"], axis=-1)
+            done = r["done"] | (valid & (stop | (remaining <= 0)))
+            rows = dict(r, token=tok, count=r["count"] + 1, remaining=remaining, done=done)
+            return self._constrain({"model": model, "rows": rows}), (tok, valid)
+
+        sub, (toks, valid) = jax.lax.scan(step, self._constrain(sub), None, length=self.K)
+        model = jax.tree.map(lambda x, s: give(x, s, MODEL_SLOT_AXIS), slots["model"], sub["model"])
+        rows = jax.tree.map(lambda x, s: give(x, s, 0), slots["rows"], sub["rows"])
+        return self._constrain({"model": model, "rows": rows}), toks.reshape(self.K, D, W), valid.reshape(self.K, D, W)
+
+    def _move(self, slots, src_D, dst_D):
+        D = self.D
+
+        def mv(buf_S, s, d):
+            return jax.lax.dynamic_update_index_in_dim(buf_S, jax.lax.dynamic_index_in_dim(buf_S, s, 0, True), d, 0)
+
+        def move_model(x):
+            xs = jnp.moveaxis(_split(x, MODEL_SLOT_AXIS, D), 1, 0)  # [D, L, S, ..]
+            out = jax.vmap(lambda b, s, d: jax.vmap(mv, (0, None, None))(b, s, d))(xs, src_D, dst_D)
+            return _join(jnp.moveaxis(out, 0, 1), MODEL_SLOT_AXIS)
+
+        model = jax.tree.map(move_model, slots["model"])
+        rows = jax.tree.map(lambda x: _join(jax.vmap(mv)(_split(x, 0, D), src_D, dst_D), 0), slots["rows"])
+        return self._constrain({"model": model, "rows": rows})
+
+    # ----- compilation --------------------------------------------------------------------
+    def _abstract(self, tree, sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+    def programs(self, widths: Sequence[int]) -> list[tuple]:
+        """(name, width, fn, abstract args, donated argnums) for every executable serving needs."""
+        D, V = self.D, self.cfg.vocab_size
+        rows = self._row_sharding()
+        state_D = self._abstract(jax.eval_shape(lambda: init_state(self.cfg, D)), self._model_sharding())
+        logits = jax.ShapeDtypeStruct((D, V), jnp.float32, sharding=rows)
+        ints = jax.ShapeDtypeStruct((D,), jnp.int32, sharding=rows)
+        tokens = jax.ShapeDtypeStruct((D, self.P), jnp.int32, sharding=rows)
+        tpl = row_template()
+        req = {k: jax.ShapeDtypeStruct((D, *tpl[k][0]), tpl[k][1], sharding=rows) for k in REQUEST_FIELDS}
+        slots = self._abstract(self.slots["model"], self._model_sharding()), self._abstract(self.slots["rows"], rows)
+        slots = {"model": slots[0], "rows": slots[1]}
+        out = [
+            ("prefill", D, self._prefill, (self.params, tokens, state_D, ints, logits), ()),
+            ("insert", D, self._insert, (slots, state_D, logits, req, ints), (0,)),
+            ("move", D, self._move, (slots, ints, ints), (0,)),
+        ]
+        return out + [self.decode_program(w) for w in widths]
+
+    def decode_program(self, width: int) -> tuple:
+        rows = self._row_sharding()
+        slots = {
+            "model": self._abstract(self.slots["model"], self._model_sharding()),
+            "rows": self._abstract(self.slots["rows"], rows),
+        }
+        fn = lambda params, slots, W=width: self._decode(params, slots, W)  # noqa: E731
+        return ("decode", width, fn, (self.params, slots), (1,))
+
+    def compile(self, name: str, width: int, fn: Callable, args: tuple, donate: tuple[int, ...]):
+        compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        self.executables[(name, width)] = compiled
+        return compiled
+
+    def get(self, name: str, width: int):
+        return self.executables.get((name, width))
+
+    # ----- host calls ---------------------------------------------------------------------
+    def prefill_rows(self, prompts: dict[int, list[int]]) -> tuple[Any, Any]:
+        """Prefill prompt ``prompts[d]`` on device d (others idle): (states [D], last logits [D, V])."""
+        D, P_ = self.D, self.P
+        state, logits = self.fresh, np.zeros((D, self.cfg.vocab_size), np.float32)
+        longest = max(len(ids) for ids in prompts.values())
+        ex = self.executables[("prefill", D)]
+        for start in range(0, longest, P_):
+            chunk = np.zeros((D, P_), np.int32)
+            lengths = np.zeros((D,), np.int32)
+            for d, ids in prompts.items():
+                piece = ids[start : start + P_]
+                chunk[d, : len(piece)] = piece
+                lengths[d] = len(piece)
+            logits, state = ex(self.params, chunk, state, lengths, logits)
+        return state, logits
+
+    def insert(self, state, logits, requests: dict[int, tuple[int, dict]]) -> np.ndarray:
+        """Write device d's prefilled row into its local slot ``requests[d][0]`` with sampling row
+        ``requests[d][1]``; returns the first sampled token per device [D]."""
+        D, tpl = self.D, row_template()
+        req = {k: np.full((D, *tpl[k][0]), tpl[k][2], tpl[k][1]) for k in REQUEST_FIELDS}
+        local = np.full((D,), -1, np.int32)
+        for d, (slot, row) in requests.items():
+            local[d] = slot
+            for k in REQUEST_FIELDS:
+                req[k][d] = row[k]
+        self.slots, first = self.executables[("insert", D)](self.slots, state, logits, req, local)
+        return np.asarray(first)
+
+    def decode(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """``steps`` tokens for the first ``width`` local slots of each device: (tokens, valid) [K, D, W]."""
+        self.slots, toks, valid = self.executables[("decode", width)](self.params, self.slots)
+        return np.asarray(toks), np.asarray(valid)
+
+    def move(self, moves: dict[int, tuple[int, int]]) -> None:
+        """Per device d, copy local slot moves[d][0] into moves[d][1]."""
+        src = np.zeros((self.D,), np.int32)
+        dst = np.zeros((self.D,), np.int32)
+        for d, (s, t) in moves.items():
+            src[d], dst[d] = s, t
+        self.slots = self.executables[("move", self.D)](self.slots, src, dst)
