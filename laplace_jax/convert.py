@@ -65,7 +65,18 @@ _LINEARS = {
     "mlp.up_proj": "mlp/up_proj",
     "mlp.down_proj": "mlp/down_proj",
 }
-_GAINS = {"attn_norm": "attn_norm", "mlp_norm": "mlp_norm", "attn.g_norm_swish_gate": "attn/g_norm_swish_gate"}
+_GAINS = {"attn_norm": "attn_norm", "mlp_norm": "mlp_norm"}
+# The output gate's RMSNorm: fla names it "g_norm_swish_gate" (FusedRMSNormGated) when
+# fuse_norm=True (its default) and "g_norm" (RMSNorm, then * swish(g)) when fuse_norm=False; the
+# weight and the math are the same. Import takes whichever the checkpoint has; export writes the
+# default name and fuse_norm=True.
+_GATE_NORMS = ("attn.g_norm_swish_gate", "attn.g_norm")
+_GATE_NORM_OURS = "attn/g_norm_swish_gate"
+# fla 0.6 GLAConfig flags audited for parameter names: fuse_norm (above); use_short_conv (the
+# q/k/v_conv1d tensors); conv_bias, use_output_gate=False, elementwise_affine=False, attn (hybrid
+# softmax layers), feature_map, use_gk/use_gv change names or the math and are refused by name
+# (_REQUIRED); tie_word_embeddings drops lm_head; num_kv_heads changes shapes only; fuse_swiglu,
+# fuse_cross_entropy, fuse_linear_cross_entropy, use_l2warp change kernels, not parameters.
 _CONVS = ("q", "k", "v")
 
 
@@ -95,6 +106,7 @@ def config_to_fla(cfg: ModelConfig) -> dict[str, Any]:
     out = {"model_type": "gla", "architectures": ["GLAForCausalLM"], "attn_mode": "chunk"}
     out.update({theirs: getattr(cfg, ours) for theirs, ours in _CONFIG_KEYS.items()})
     out.update(_REQUIRED)
+    out["fuse_norm"] = True  # names the gate norm "g_norm_swish_gate", as exported
     return out
 
 
@@ -148,6 +160,11 @@ def params_from_state_dict(cfg: ModelConfig, sd: dict[str, np.ndarray]) -> dict:
     put("attn/gk_proj_1", "bias", stack("model.layers.{}.attn.gk_proj.1.bias"))
     for theirs, ours in _GAINS.items():
         put(ours, "weight", stack("model.layers.{}." + theirs + ".weight"))
+    present = [n for n in _GATE_NORMS if f"model.layers.0.{n}.weight" in sd]
+    if len(present) > 1:
+        raise CheckpointFormatError(f"checkpoint has both {present[0]} and {present[1]} weights; expected one of them")
+    gate_norm = present[0] if present else _GATE_NORMS[0]  # missing: the error names fla's default
+    put(_GATE_NORM_OURS, "weight", stack("model.layers.{}." + gate_norm + ".weight"))
     if cfg.use_short_conv:
         for c in _CONVS:
             put(
@@ -206,6 +223,7 @@ def params_to_state_dict(cfg: ModelConfig, params: dict, dtype: Any = np.float32
         sd[pre + "attn.gk_proj.1.bias"] = get("attn/gk_proj_1", "bias")[i]
         for theirs, ours in _GAINS.items():
             sd[pre + theirs + ".weight"] = get(ours, "weight")[i]
+        sd[pre + _GATE_NORMS[0] + ".weight"] = get(_GATE_NORM_OURS, "weight")[i]
         if cfg.use_short_conv:
             for c in _CONVS:
                 sd[pre + f"attn.{c}_conv1d.weight"] = get(f"attn/{c}_conv1d", "kernel")[i].T[:, None, :]

@@ -35,6 +35,53 @@ def test_torch_state_dict_survives_import_export(tmp_path):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+@pytest.mark.parametrize("fuse_norm", [True, False])
+@pytest.mark.parametrize("short_conv", [False, True])
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_fla_names_of_every_flavour_import(tmp_path, fuse_norm, short_conv, kv_heads):
+    """State dicts named as fla names them (fuse_norm True: attn.g_norm_swish_gate, False:
+    attn.g_norm; short conv; GQA) import, and export uses fla's default name with the same values."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.torch_gla import GLAForCausalLM
+
+    c = fla_config(use_short_conv=short_conv, num_kv_heads=kv_heads, fuse_norm=fuse_norm)
+    torch.manual_seed(0)
+    sd = GLAForCausalLM(c).state_dict()
+    for k in sd:
+        if "norm" in k:  # distinct gains, so a mix-up between norms would show
+            sd[k] = 1 + 0.1 * torch.randn_like(sd[k])
+    gate = "g_norm_swish_gate" if fuse_norm else "g_norm"
+    assert f"model.layers.0.attn.{gate}.weight" in sd
+    (tmp_path / "fla").mkdir()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "fla" / "model.safetensors"))
+    (tmp_path / "fla" / "config.json").write_text(json.dumps(c))
+    cfg, params = load_fla(str(tmp_path / "fla"))
+    np.testing.assert_array_equal(
+        params["layers"]["attn"]["g_norm_swish_gate"]["weight"][1], sd[f"model.layers.1.attn.{gate}.weight"].numpy()
+    )
+    save_fla(str(tmp_path / "back"), cfg, params)
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    renamed = {k.replace("attn.g_norm.", "attn.g_norm_swish_gate."): v.numpy() for k, v in sd.items()}
+    assert back.keys() == renamed.keys()
+    for k in back:
+        np.testing.assert_array_equal(back[k], renamed[k], err_msg=k)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["fuse_norm"] is True
+
+
+def test_both_gate_norm_names_is_an_error(tmp_path):
+    write_fla_checkpoint(tmp_path, fla_config())
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    for i in range(2):
+        sd[f"model.layers.{i}.attn.g_norm.weight"] = sd[f"model.layers.{i}.attn.g_norm_swish_gate.weight"]
+    from safetensors.numpy import save_file
+
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointFormatError, match=r"both attn\.g_norm_swish_gate and attn\.g_norm"):
+        load_fla(str(tmp_path))
+
+
 def test_bf16_checkpoint_loads(tmp_path):
     cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2)
     params = jax.tree.map(np.asarray, init_params(cfg, jax.random.key(0)))

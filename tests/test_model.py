@@ -56,10 +56,11 @@ def write_fla_checkpoint(path, c, seed=0, std=0.1):
     return model
 
 
-@pytest.mark.parametrize("short_conv", [False, True])
-@pytest.mark.parametrize("kv_heads", [None, 2])
-def test_logits_match_torch_reference(tmp_path, short_conv, kv_heads):
-    c = fla_config(use_short_conv=short_conv, num_kv_heads=kv_heads)
+@pytest.mark.parametrize(
+    "short_conv, kv_heads, fuse_norm", [(False, None, True), (True, None, True), (False, 2, True), (True, 2, False)]
+)
+def test_logits_match_torch_reference(tmp_path, short_conv, kv_heads, fuse_norm):
+    c = fla_config(use_short_conv=short_conv, num_kv_heads=kv_heads, fuse_norm=fuse_norm)
     ref_model = write_fla_checkpoint(tmp_path, c)
     cfg, params = load_fla(str(tmp_path), chunk_size=64)
     tokens = np.random.default_rng(0).integers(0, c["vocab_size"], (2, 150))  # 150: not a multiple of 64

@@ -68,7 +68,11 @@ class GLAAttention(nn.Module):
         self.g_proj = nn.Linear(d, value_dim, bias=False)
         self.gk_proj = nn.Sequential(nn.Linear(d, 16, bias=False), nn.Linear(16, key_dim // self.G, bias=True))
         self.o_proj = nn.Linear(value_dim, d, bias=False)
-        self.g_norm_swish_gate = GatedNorm(self.dv, c["norm_eps"])
+        self.fused_norm = c.get("fuse_norm", True)  # fla: FusedRMSNormGated "g_norm_swish_gate", else "g_norm"
+        if self.fused_norm:
+            self.g_norm_swish_gate = GatedNorm(self.dv, c["norm_eps"])
+        else:
+            self.g_norm = RMSNorm(self.dv, c["norm_eps"])
         self.use_conv = c.get("use_short_conv", False)
         if self.use_conv:
             W = c.get("conv_size", 4)
@@ -88,7 +92,9 @@ class GLAAttention(nn.Module):
         v = v.view(B, T, -1, self.dv).repeat_interleave(self.G, dim=2)
         o, _ = naive_recurrent_gla(q, k, v, F.logsigmoid(gk.float()) / 16)
         g = self.g_proj(x).view(B, T, self.H, self.dv)
-        return self.o_proj(self.g_norm_swish_gate(o, g).reshape(B, T, -1))
+        if self.fused_norm:
+            return self.o_proj(self.g_norm_swish_gate(o, g).reshape(B, T, -1))
+        return self.o_proj(self.g_norm(o).reshape(B, T, -1) * F.silu(g.reshape(B, T, -1).float()))
 
 
 class MLP(nn.Module):
