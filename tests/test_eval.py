@@ -1,6 +1,7 @@
 """Recall generators and training windows, scoring, the model scorer, the numerics report, and the
 eval CLI's outputs and bad-input messages."""
 
+import dataclasses
 import json
 import os
 import re
@@ -20,8 +21,9 @@ from laplace_jax.data.synthetic import MQARWindows
 from laplace_jax.data.tokenizer import ByteTokenizer
 from laplace_jax.eval.__main__ import main as eval_main
 from laplace_jax.eval.numerics import report
-from laplace_jax.eval.recall import max_pairs, model_answers, mqar, passkey, score, suite
-from laplace_jax.serve.engine import Engine
+from laplace_jax.eval.recall import answer_token, max_pairs, model_answers, mqar, passkey, score, suite
+from laplace_jax.generate import sample
+from laplace_jax.serve.engine import Engine, Request, SamplingParams
 from laplace_jax.train.step import NO_LOSS, loss_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,15 +113,38 @@ def test_oracle_scores_100_and_random_near_chance():
     assert max(r["accuracy"] for r in score(samples, guess).values()) <= 0.1  # chance is ~1e-3
 
 
-def test_model_scorer_runs_through_the_engine():
+def test_scoring_takes_the_exact_first_word():
+    samples = suite("passkey", 0, [512], [0.5], 4)
+    exact = [s.answer + "." for s in samples]
+    longer = [" " + s.answer + "7" for s in samples]  # extra digits: wrong, though it starts right
+    assert score(samples, lambda ss: exact)["512|0.5"]["accuracy"] == 1.0
+    assert score(samples, lambda ss: longer)["512|0.5"]["accuracy"] == 0.0
+    assert answer_token("  4821.\n") == "4821" and answer_token("") == ""
+
+
+def test_model_scorer_answers_are_the_models_greedy_tokens():
+    """The engine's answers equal generate.sample's greedy continuation (independent decode loop)."""
     params = init_params(MICRO, jax.random.key(0))
     tok = ByteTokenizer()
     samples = suite("passkey", 0, [200, 400], [0.5], 2)
     factory = lambda: Engine(MICRO, params, eos_id=0, max_num_seqs=2, prefill_chunk=64, max_model_len=1024)  # noqa: E731
-    done = []
-    res = score(samples, model_answers(factory, tok, on_done=lambda: done.append(1)))
-    assert set(res) == {"200|0.5", "400|0.5"} and all(0.0 <= r["accuracy"] <= 1.0 for r in res.values())
-    assert len(done) == len(samples)
+    done, seen = [], []
+
+    def answers(ss):
+        out = model_answers(factory, tok, on_done=lambda: done.append(1))(ss)
+        seen.extend(out)
+        return out
+
+    res = score(samples, answers)
+    assert set(res) == {"200|0.5", "400|0.5"} and len(done) == len(samples)
+    for s, text in zip(samples, seen, strict=True):
+        n = len(tok.encode(s.answer)) + 1
+        ids = sample(MICRO, params, tok.encode(s.prompt), n, temperature=0.0)
+        ids = ids[: ids.index(0)] if 0 in ids else ids  # the engine stops at EOS (id 0) and does not emit it
+        assert text == tok.decode(ids)
+    for key, r in res.items():
+        cell = [answer_token(t) == s.answer for s, t in zip(samples, seen, strict=True) if f"{s.length}|0.5" == key]
+        assert r["accuracy"] == np.mean(cell)
 
 
 def test_numerics_report_bounds_on_a_tiny_model():
@@ -130,7 +155,20 @@ def test_numerics_report_bounds_on_a_tiny_model():
     assert rep["chunk_vs_recurrent"]["rms_rel"] <= 1e-4
     assert rep["fp32_vs_bf16"]["rms_rel"] <= 3e-2  # the README's bf16 bound
     assert rep["jit_vs_eager_bf16"]["rms_rel"] <= 3e-2
-    assert 0.0 <= rep["greedy_fp32_vs_bf16"]["agree"] <= 1.0
+    # the greedy comparison, recomputed through the serving engine (its own decode loop)
+    g = rep["greedy_fp32_vs_bf16"]
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = dataclasses.replace(MICRO, dtype=dtype)
+        eng = Engine(cfg, params, eos_id=-1, max_num_seqs=1, prefill_chunk=64, max_model_len=1024)
+        eng.warmup()
+        outs[dtype] = []
+        greedy = SamplingParams(max_tokens=8, temperature=0.0)
+        eng.submit(Request(tokens[0].tolist(), greedy, lambda t, r, d=dtype: outs[d].extend(t)))
+        eng.run_until_idle()
+    same = [a == b for a, b in zip(outs["float32"], outs["bfloat16"], strict=True)]
+    assert g["steps"] == 8 and g["agree"] == np.mean(same)
+    assert g["first_divergence"] == (same.index(False) if False in same else None)
 
 
 @pytest.fixture(scope="module")

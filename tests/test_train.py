@@ -91,6 +91,15 @@ def test_checkpoint_from_4_devices_restores_on_1_in_fresh_process(tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "l.npy"), here, rtol=1e-6, atol=1e-6)
 
 
+def test_a_step_too_big_for_the_device_stops_before_allocating(tmp_path):
+    """check_fit, reached: 1 MiB of device memory cannot hold the micro model's step. The error gives
+    the compiled need and what to change, and no checkpoint is written."""
+    cfg = micro_config(mesh=dict(fsdp=1), train=dict(device_memory_gib=2**-10))
+    with pytest.raises(UserError, match=r"the train step needs [\d.]+ GiB per device .* but a device has 0\.0 GiB"):
+        run(cfg, str(tmp_path / "w"), devices=jax.devices()[:1], log=_quiet)
+    assert not (tmp_path / "w" / "checkpoints").exists() or not os.listdir(tmp_path / "w" / "checkpoints")
+
+
 def test_bad_input_is_reported(tmp_path):
     with pytest.raises(UserError, match="does not fit the 3 available"):
         Setup(micro_config(mesh=dict(fsdp=4)), jax.devices()[:3])

@@ -11,6 +11,7 @@ answers marked for the loss (``laplace_jax.data.synthetic`` turns it into train.
 from __future__ import annotations
 
 import dataclasses
+import re
 import string
 from collections.abc import Callable
 
@@ -167,12 +168,20 @@ def suite(
     return out
 
 
+def answer_token(text: str) -> str:
+    """The first word of a generated answer: leading whitespace skipped, cut at the first character
+    that is not a letter or digit ("4821." -> "4821", "48213" stays "48213")."""
+    m = re.match(r"\s*([0-9A-Za-z]*)", text)
+    return m.group(1) if m else ""
+
+
 def score(samples: list[Sample], answer_fn: Callable[[list[Sample]], list[str]]) -> dict[str, dict[str, float]]:
-    """Accuracy per (length, level): an answer is right when its text starts with the expected answer."""
+    """Accuracy per (length, level): an answer is right when its first word (``answer_token``) is
+    exactly the expected answer; extra digits make it wrong."""
     answers = answer_fn(samples)
     cells: dict[tuple[int, float], list[bool]] = {}
     for s, a in zip(samples, answers, strict=True):
-        cells.setdefault((s.length, s.level), []).append(a.strip().startswith(s.answer))
+        cells.setdefault((s.length, s.level), []).append(answer_token(a) == s.answer)
     return {
         f"{L}|{lv:g}": {"length": L, "level": lv, "accuracy": float(np.mean(v)), "n": len(v)}
         for (L, lv), v in sorted(cells.items())
