@@ -27,6 +27,20 @@ def _shape_bytes(text: str) -> int:
     return total
 
 
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def source_of(op_name: str) -> str:
+    """Which part of a train step a collective came from, by its JAX op_name: "muon" (the
+    optimizer's shard_map), "embeddings" (the token lookup and its gradient), or "other" (FSDP
+    parameter gathers, gradient reductions, everything else)."""
+    if "shard_map" in op_name:
+        return "muon"
+    if "/embeddings/" in op_name:
+        return "embeddings"
+    return "other"
+
+
 def collective_bytes(hlo: str) -> dict[str, dict[str, float]]:
     """Per-device bytes and op counts of each collective kind in one execution of the module.
 
@@ -34,6 +48,16 @@ def collective_bytes(hlo: str) -> dict[str, dict[str, float]]:
     exchanges; for all-gather: the gathered result). A collective inside a while body counts
     trip-count times; computations reached from several callers count once per call site.
     """
+    out: dict[str, dict[str, float]] = {k: {"bytes": 0.0, "ops": 0.0} for k in COLLECTIVES}
+    for by_kind in collectives_by_source(hlo).values():
+        for kind, v in by_kind.items():
+            out[kind]["bytes"] += v["bytes"]
+            out[kind]["ops"] += v["ops"]
+    return out
+
+
+def collectives_by_source(hlo: str) -> dict[str, dict[str, dict[str, float]]]:
+    """``collective_bytes`` split by ``source_of`` the op: {source: {kind: {"bytes", "ops"}}}."""
     comps: dict[str, list[str]] = {}
     current = None
     for line in hlo.splitlines():
@@ -59,13 +83,16 @@ def collective_bytes(hlo: str) -> dict[str, dict[str, float]]:
 
     if entry:
         visit(entry, 1.0)
-    out: dict[str, dict[str, float]] = {k: {"bytes": 0.0, "ops": 0.0} for k in COLLECTIVES}
+    out: dict[str, dict[str, dict[str, float]]] = {}
     for name, lines in comps.items():
         factor = mult.get(name, 0.0)
         for line in lines:
             for kind in COLLECTIVES:
                 if f" {kind}(" in line or f" {kind}-start(" in line:
                     lhs = line.split("=", 1)[1].split(kind)[0]
-                    out[kind]["bytes"] += factor * _shape_bytes(lhs)
-                    out[kind]["ops"] += factor
+                    op = _OP_NAME.search(line)
+                    src = out.setdefault(source_of(op.group(1) if op else ""), {})
+                    v = src.setdefault(kind, {"bytes": 0.0, "ops": 0.0})
+                    v["bytes"] += factor * _shape_bytes(lhs)
+                    v["ops"] += factor
     return out

@@ -202,6 +202,14 @@ def test_3b_plan_compiles_for_64_devices():
     assert 0 < mem["total"] <= rep["device_memory"] == 24 * 2**30
     assert mem["arguments"] < 1 * 2**30  # params + optimizer state sharded 64 ways (~25.5 GB / 64)
     assert rep["muon"]["all_to_all_bytes_per_rank"] <= 0.23e9
+    # the compiled train step moves what the Muon report says: 2 all-to-alls of the bf16 payload
+    by_source = rep["train_step_collectives_by_source"]
+    muon = by_source["muon"]["all-to-all"]
+    assert muon["ops"] == 2
+    assert abs(muon["bytes"] - rep["muon"]["all_to_all_bytes_per_rank"]) <= 0.01 * muon["bytes"]
+    # every other all-to-all is the embedding lookup's activation resharding (forward and gradient)
+    others = {src: v["all-to-all"]["ops"] for src, v in by_source.items() if src != "muon" and "all-to-all" in v}
+    assert others == {"embeddings": 2}
 
 
 def test_3b_on_this_machine_stops_with_advice(tmp_path):

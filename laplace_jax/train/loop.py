@@ -31,7 +31,7 @@ from laplace_jax.data.pipeline import WindowSource, array_windows, eval_batches,
 from laplace_jax.data.store import DataError, read_meta
 from laplace_jax.data.synthetic import MQARWindows
 from laplace_jax.data.tokenizer import load_tokenizer
-from laplace_jax.hlo_stats import collective_bytes
+from laplace_jax.hlo_stats import collective_bytes, collectives_by_source
 from laplace_jax.models.gla_lm import abstract_params, count_params, init_params
 from laplace_jax.sharding import AXES, batch_sharding, make_mesh, param_shardings, param_specs, replicated, rules
 from laplace_jax.train.step import eval_step, flops_per_token, init_state, make_optimizer, train_step
@@ -215,7 +215,8 @@ def plan(cfg: Any) -> dict[str, Any]:
     compiled = setup.compile()
     mem = memory_report(compiled)
     n = setup.mesh.devices.size
-    coll = collective_bytes(compiled.as_text())
+    hlo = compiled.as_text()
+    coll = collective_bytes(hlo)
     rep = {
         "devices": n,
         "mesh": dict(setup.mesh.shape),
@@ -226,6 +227,7 @@ def plan(cfg: Any) -> dict[str, Any]:
         "memory_per_device": mem,
         "device_memory": platform.device_memory_bytes(cfg.train.device_memory_gib),
         "train_step_collectives_per_device": coll,
+        "train_step_collectives_by_source": collectives_by_source(hlo),
     }
     if cfg.opt.optimizer == "muon" and setup.mesh.shape["fsdp"] > 1:
         comm = jnp.bfloat16 if cfg.opt.comm_dtype == "bfloat16" else None
@@ -251,6 +253,10 @@ def format_plan(rep: dict[str, Any]) -> str:
     for kind, v in rep["train_step_collectives_per_device"].items():
         if v["ops"]:
             lines.append(f"  {kind:<18}{v['ops']:>6.0f} ops  {v['bytes'] / 1e9:8.3f} GB")
+            for src, by_kind in sorted(rep["train_step_collectives_by_source"].items()):
+                if kind in by_kind and len(rep["train_step_collectives_by_source"]) > 1:
+                    w = by_kind[kind]
+                    lines.append(f"    from {src:<12}{w['ops']:>6.0f} ops  {w['bytes'] / 1e9:8.3f} GB")
     if "muon" in rep:
         m = rep["muon"]
         lines += [
