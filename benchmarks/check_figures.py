@@ -1,0 +1,111 @@
+"""Check that figures quoted in README.md and BENCHMARKS.md are the ones in their committed JSON.
+
+    python -m benchmarks.check_figures          # exit 1 and list every mismatch
+
+Each claim names a document, a JSON file under ``benchmarks/results/`` and how the quoted text
+is formatted from it; the check passes when that exact text appears in the document. A figure
+re-measured without updating the document (or the other way round) fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GiB = 2**30
+
+
+def _policy(name: str) -> Callable[[dict], str]:
+    return lambda r: f"{next(p for p in r['policies'] if p['remat'] == name)['memory']['temporaries'] / GiB:.1f} GiB"
+
+
+def _decode(width: int) -> Callable[[dict], str]:
+    return lambda r: f"{next(d for d in r['decode'] if d['width'] == width)['temporaries_bytes'] / GiB:.2f} GiB"
+
+
+def _roofline(config: str, width: int, key: str, fmt: str) -> Callable[[dict], str]:
+    return lambda r: fmt.format(r["configs"][config]["roofline"]["buckets"][str(width)][key])
+
+
+# (document, JSON file, formatter of the quoted text)
+CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
+    ("BENCHMARKS.md", "memory_kernel_3b_layer.json", lambda r: f"{r['kernel']['temporaries_bytes'] / GiB:.2f} GiB"),
+    ("README.md", "memory_kernel_3b_layer.json", lambda r: f"{r['kernel']['temporaries_over_io']:.1f}x"),
+    ("README.md", "memory_step_340m.json", _policy("none")),
+    ("README.md", "memory_step_340m.json", _policy("full")),
+    ("README.md", "memory_step_340m.json", _policy("save_dots")),
+    ("README.md", "memory_step_340m.json", _policy("save_gla")),
+    ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"| {r['impls']['chunk64']['fwd_bwd_s'] * 1e3:.0f} |"),
+    ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"{r['impls']['chunk128']['fwd_bwd_speedup_over_recurrent']:.1f}x"),
+    ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"{r['matmul_peak_flops'] / 1e9:.0f} GFLOP/s"),
+    ("BENCHMARKS.md", "decode_memory_3b_fp32.json", _decode(256)),
+    ("README.md", "decode_memory_3b_fp32.json", _decode(256)),
+    ("BENCHMARKS.md", "decode_memory_3b_fp32_before.json", _decode(256)),
+    ("README.md", "plan_3b.json", lambda r: f"{r['memory_per_device']['total'] / GiB:.2f} GiB of 24 GiB"),
+    ("BENCHMARKS.md", "plan_3b.json", lambda r: f"{r['memory_per_device']['temporaries'] / GiB:.2f} GiB"),
+    (
+        "BENCHMARKS.md",
+        "plan_3b.json",
+        lambda r: f"{r['train_step_collectives_by_source']['muon']['all-to-all']['bytes'] / 1e9:.3f} GB",
+    ),
+    ("BENCHMARKS.md", "muon_3b.json", lambda r: f"{r['float32']['all_to_all_bytes_per_rank'] / 1e9:.3f} GB"),
+    ("BENCHMARKS.md", "muon_3b.json", lambda r: f"{r['bfloat16']['reduction_vs_gather']:.1f}x"),
+    ("BENCHMARKS.md", "serve_cpu_roofline.json", _roofline("small_100m", 1, "fraction_of_bandwidth", "{:.1%}")),
+    ("BENCHMARKS.md", "serve_cpu_8dev.json", _roofline("tiny", 16, "tokens_per_s", "{:,.0f}")),
+    (
+        "BENCHMARKS.md",
+        "serve_cpu_8dev.json",
+        lambda r: f"{r['configs']['tiny']['concurrency']['32']['output_throughput']:,.0f}",
+    ),
+    ("BENCHMARKS.md", "soak_cpu_tiny.json", lambda r: f"{r['requests']:,} requests"),
+    (
+        "BENCHMARKS.md",
+        "serve_cpu_tiny.json",
+        lambda r: f"| 32 | {r['configs']['tiny']['concurrency']['32']['output_throughput']:,.0f} |",
+    ),
+    (
+        "BENCHMARKS.md",
+        "serve_cpu_tiny.json",
+        lambda r: f"**{r['configs']['tiny']['decode_step_vs_context']['ratio_8192_vs_128']:.2f}x**",
+    ),
+    (
+        "BENCHMARKS.md",
+        "serve_cpu_tiny.json",
+        lambda r: f"{100 * r['configs']['tiny']['compile_share']['exact']['compile_share_of_decode_time']:.1f}%",
+    ),
+    (
+        "BENCHMARKS.md",
+        "serve_cpu_tiny.json",
+        lambda r: f"cold (empty `--compile-cache-dir`) {r['configs']['tiny']['time_to_ready']['cold']:.1f} s",
+    ),
+]
+
+
+def check(root: str = ROOT) -> list[str]:
+    """Every claim whose formatted figure is missing from its document (empty: all match)."""
+    bad = []
+    docs: dict[str, str] = {}
+    for doc, result, fmt in CLAIMS:
+        if doc not in docs:
+            with open(os.path.join(root, doc)) as f:
+                docs[doc] = f.read()
+        with open(os.path.join(root, "benchmarks", "results", result)) as f:
+            text = fmt(json.load(f))
+        if text not in docs[doc]:
+            bad.append(f"{doc}: expected {text!r} (from benchmarks/results/{result})")
+    return bad
+
+
+def main() -> int:
+    bad = check()
+    for line in bad:
+        print(line)
+    print(f"{len(CLAIMS) - len(bad)} of {len(CLAIMS)} quoted figures match their JSON")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
