@@ -31,13 +31,14 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def source_of(op_name: str) -> str:
-    """Which part of a train step a collective came from, by its JAX op_name: "muon" (the
-    optimizer's shard_map), "embeddings" (the token lookup and its gradient), or "other" (FSDP
-    parameter gathers, gradient reductions, everything else)."""
-    if "shard_map" in op_name:
-        return "muon"
+    """Which part of a train step a collective came from, by its JAX op_name: "embeddings" (the
+    token lookup and its gradient), "weights" (the model's explicit FSDP weight gathers,
+    ``layers.common.gathered``), "muon" (the optimizer's shard_map), or "other" (gradient
+    reductions, everything else)."""
     if "/embeddings/" in op_name:
         return "embeddings"
+    if "shard_map" in op_name:
+        return "weights" if "GLALM" in op_name else "muon"
     return "other"
 
 

@@ -6,6 +6,8 @@ module's ``dtype`` and norms in float32, as in flash-linear-attention.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,61 @@ Array = jax.Array
 
 def normal_init(std: float, axes: tuple[str, ...]) -> nn.initializers.Initializer:
     return nn.with_logical_partitioning(nn.initializers.normal(stddev=std), axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gathered(w: Array, axes: tuple[str | None, ...], dtype: jnp.dtype) -> Array:
+    """A weight with logical ``axes`` cast to ``dtype`` on its shards, then all-gathered for use, so
+    an FSDP gather moves ``dtype`` bytes (bf16: half of fp32). The gradient is reduce-scattered
+    back to the shards and returned in fp32. Without logical axis rules and a mesh (one device,
+    serving) this is just the cast.
+
+    The gather is an explicit ``shard_map`` collective (XLA's partitioner would place it on the
+    fp32 master), and 16-bit payloads cross it as uint16: XLA:CPU widens 16-bit float
+    collectives to fp32 (the Muon all-to-alls do the same)."""
+    return _gather(w, axes, dtype)
+
+
+def _mesh_spec(axes: tuple[str | None, ...]):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None, None
+    spec = nn.logical_to_mesh_axes(axes)
+    if spec is None or all(a is None for a in spec):
+        return None, None
+    return mesh, jax.sharding.PartitionSpec(*spec)
+
+
+def _gather(w, axes, dtype):
+    local = w.astype(dtype)
+    mesh, spec = _mesh_spec(axes)
+    if mesh is None:
+        return local
+    bits16 = jnp.dtype(dtype).itemsize == 2
+
+    def body(x):
+        if bits16:
+            x = jax.lax.bitcast_convert_type(x, jnp.uint16)
+        for dim, ax in enumerate(spec):
+            if ax is not None:
+                x = jax.lax.all_gather(x, ax, axis=dim, tiled=True)
+        return jax.lax.bitcast_convert_type(x, dtype) if bits16 else x
+
+    P = jax.sharding.PartitionSpec
+    return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=P(), check_vma=False)(local)
+
+
+def _gathered_fwd(w, axes, dtype):
+    return _gather(w, axes, dtype), None
+
+
+def _gathered_bwd(axes, dtype, _, g):
+    # g is the full gradient of the gathered weight (the partitioner sums the batch shards'
+    # parts); each device keeps its shard, in fp32
+    return (nn.with_logical_constraint(g.astype(jnp.float32), axes),)
+
+
+gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 class Linear(nn.Module):
@@ -32,7 +89,10 @@ class Linear(nn.Module):
         kernel = self.param("kernel", normal_init(self.init_std, self.axes), (x.shape[-1], self.features), jnp.float32)
         out_dtype = jnp.float32 if self.fp32_out else self.dtype
         y = jnp.einsum(
-            "...i,io->...o", x.astype(self.dtype), kernel.astype(self.dtype), preferred_element_type=out_dtype
+            "...i,io->...o",
+            x.astype(self.dtype),
+            gathered(kernel, self.axes, self.dtype),
+            preferred_element_type=out_dtype,
         )
         if self.use_bias:
             bias = self.param(
@@ -105,7 +165,7 @@ class ShortConv(nn.Module):
         if cache_BxWxD is None:
             cache_BxWxD = jnp.zeros((B, W, D), self.dtype)
         full = jnp.concatenate([cache_BxWxD.astype(self.dtype), x_BxTxD.astype(self.dtype)], axis=1)  # [B, W+T, D]
-        k = kernel.astype(self.dtype)
+        k = gathered(kernel, ("conv", "heads"), self.dtype)
         y = sum(full[:, 1 + w : 1 + w + T] * k[w] for w in range(W))
         if lengths_B is None:
             return jax.nn.silu(y), full[:, -W:]

@@ -159,7 +159,7 @@ class Setup:
             # The model's activation constraints use logical names; the rules bind them to the mesh
             # (set around lowering in ``compile``).
             with nn.logical_axis_rules(rule_set):
-                return train_step(self.model, self.tx, self.sched, state, batch)
+                return train_step(self.model, self.tx, self.sched, state, batch, self.param_shardings)
 
         self.step_fn = jax.jit(
             step,

@@ -94,10 +94,20 @@ def init_state(params: Any, tx: optax.GradientTransformation) -> State:
     return {"step": zero, "params": params, "opt_state": tx.init(params), "nonfinite": zero, "skipped": zero}
 
 
-def train_step(model: ModelConfig, tx, sched, state: State, batch_AxBxT1: jax.Array) -> tuple[State, dict]:
-    """One optimizer step over ``grad_accum`` micro-batches. Returns (state, metrics)."""
+def train_step(
+    model: ModelConfig, tx, sched, state: State, batch_AxBxT1: jax.Array, param_shardings: Any = None
+) -> tuple[State, dict]:
+    """One optimizer step over ``grad_accum`` micro-batches. Returns (state, metrics).
+
+    ``param_shardings``: where the parameters live; each micro-batch's gradients are constrained
+    to them, so they are reduced to shards (reduce-scatter) rather than all-reduced in full."""
     params = state["params"]
-    grad_fn = jax.value_and_grad(lambda p, b: loss_fn(model, p, b))
+
+    def grad_fn(p, b):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(model, p, b))(p)
+        if param_shardings is not None:
+            grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        return loss, grads
 
     def micro(carry, batch):
         loss, grads = grad_fn(params, batch)
