@@ -36,8 +36,12 @@ def _rel(a, ref):
 KERNELS = pytest.mark.parametrize("kernel", ["xla", "pallas"])
 
 
-@KERNELS
-@pytest.mark.parametrize("T", [1, 100, 128, 300, 2048])
+# every T on the XLA kernel; the interpreted Pallas kernel on the T that exercise a partial chunk,
+# one chunk exactly and many chunks (the interpreter is slow on CPU)
+AGREE = [("xla", T) for T in (1, 100, 128, 300, 2048)] + [("pallas", T) for T in (100, 128, 2048)]
+
+
+@pytest.mark.parametrize("kernel, T", AGREE)
 @pytest.mark.parametrize("decay", ["weak", "strong"])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_chunk_recurrent_torch_agree(T, decay, with_state, kernel):

@@ -191,7 +191,9 @@ def score(samples: list[Sample], answer_fn: Callable[[list[Sample]], list[str]])
 def model_answers(
     engine_factory: Callable[[], object], tokenizer, on_done: Callable[[], None] | None = None
 ) -> Callable[[list[Sample]], list[str]]:
-    """Greedy answers from a model through the serving engine (fixed executables, any prompt length).
+    """Greedy answers from a model through the serving engine (fixed executables, any prompt length):
+    exactly as many tokens as the expected answer has, since the training recipe never trains what
+    follows an answer; ``score`` then requires them to be exactly the answer.
     ``on_done`` is called (from the engine loop) as each prompt finishes, e.g. to move a progress bar."""
     from laplace_jax.serve.engine import Request, SamplingParams
 
@@ -200,7 +202,7 @@ def model_answers(
         engine.warmup()
         outs: list[list[int]] = [[] for _ in samples]
         for i, s in enumerate(samples):
-            n = len(tokenizer.encode(s.answer)) + 1
+            n = len(tokenizer.encode(s.answer))  # exactly the answer's tokens: nothing after it is scored
 
             def emit(toks, reason, i=i):
                 outs[i].extend(toks)
