@@ -204,8 +204,7 @@ class DevicePrograms:
         tokens = jax.ShapeDtypeStruct((D, self.P), jnp.int32, sharding=rows)
         tpl = row_template()
         req = {k: jax.ShapeDtypeStruct((D, *tpl[k][0]), tpl[k][1], sharding=rows) for k in REQUEST_FIELDS}
-        slots = self._abstract(self.slots["model"], self._model_sharding()), self._abstract(self.slots["rows"], rows)
-        slots = {"model": slots[0], "rows": slots[1]}
+        slots = self._abstract_slots()
         out = [
             ("prefill", D, self._prefill, (self.params, tokens, state_D, ints, logits), ()),
             ("insert", D, self._insert, (slots, state_D, logits, req, ints), (0,)),
@@ -213,14 +212,15 @@ class DevicePrograms:
         ]
         return out + [self.decode_program(w) for w in widths]
 
-    def decode_program(self, width: int) -> tuple:
-        rows = self._row_sharding()
-        slots = {
+    def _abstract_slots(self) -> dict:
+        return {
             "model": self._abstract(self.slots["model"], self._model_sharding()),
-            "rows": self._abstract(self.slots["rows"], rows),
+            "rows": self._abstract(self.slots["rows"], self._row_sharding()),
         }
+
+    def decode_program(self, width: int) -> tuple:
         fn = lambda params, slots, W=width: self._decode(params, slots, W)  # noqa: E731
-        return ("decode", width, fn, (self.params, slots), (1,))
+        return ("decode", width, fn, (self.params, self._abstract_slots()), (1,))
 
     def compile(self, name: str, width: int, fn: Callable, args: tuple, donate: tuple[int, ...]):
         compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
