@@ -122,7 +122,8 @@ def test_remat_and_recurrent_impl_give_same_logits():
     params = init_params(ModelConfig(**kw), jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 40), 0, 61)
     ref = forward(ModelConfig(**kw), params, tokens)
-    for extra in (*(dict(remat=p) for p in ("full", "save_dots", "save_gla")), dict(attn_impl="recurrent")):
+    extras = (*(dict(remat=p) for p in ("full", "save_dots", "save_gla")), dict(attn_impl="recurrent"))
+    for extra in (*extras, dict(scan_layers=False)):
         np.testing.assert_allclose(forward(ModelConfig(**kw, **extra), params, tokens), ref, atol=1e-5)
 
 
