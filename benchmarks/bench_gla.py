@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from benchmarks.common import matmul_gflops, median_seconds, write_result
 from laplace_jax.ops.gla import chunk_gla, recurrent_gla
+from laplace_jax.platform import on_gpu
 
 
 def gla_flops(B: int, T: int, H: int, K: int, V: int, C: int) -> float:
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for C in a.chunk_sizes:
         fn = lambda q, k, v, g, C=C: chunk_gla(q, k, v, g, chunk_size=C)  # noqa: E731
         measure(f"chunk{C}", fn, gla_flops(a.B, a.T, a.H, a.K, a.V, C), a.repeats)
-    if a.pallas and jax.default_backend() not in ("gpu", "cuda", "rocm"):
+    if a.pallas and not on_gpu():
         print("  (the Pallas kernel is interpreted on this backend: its times are not kernel times)")
     for C in a.pallas:
         fn = lambda q, k, v, g, C=C: chunk_gla(q, k, v, g, chunk_size=C, kernel="pallas")  # noqa: E731

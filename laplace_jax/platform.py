@@ -28,6 +28,11 @@ _PEAK_TFLOPS = {
 }
 
 
+def on_gpu() -> bool:
+    """Whether JAX's default backend is a GPU (CUDA or ROCm)."""
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
 def median_seconds(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:
     """Median wall time of ``fn()`` (outputs blocked on) over ``repeats`` runs after ``warmup``."""
     for _ in range(warmup):

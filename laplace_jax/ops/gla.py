@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from laplace_jax.ops.gla_chunk import SUB_CHUNK, chunk_gla_padded
 from laplace_jax.ops.gla_pallas import pallas_gla
+from laplace_jax.platform import on_gpu
 
 Array = jax.Array
 
@@ -132,9 +133,9 @@ def chunk_gla(
 def pallas_interpret() -> bool:
     """Whether the Pallas kernel must run interpreted on this backend (CPU), or raise where it
     cannot run at all (it is written for Pallas' Triton lowering: GPU only)."""
-    backend = jax.default_backend()
-    if backend in ("gpu", "cuda", "rocm"):
+    if on_gpu():
         return False
+    backend = jax.default_backend()
     if backend == "cpu":
         return True
     raise ValueError(
@@ -147,4 +148,4 @@ def resolve_attn_impl(attn_impl: str) -> str:
     """'auto' -> 'pallas' on GPU, 'chunk' elsewhere; other names unchanged."""
     if attn_impl != "auto":
         return attn_impl
-    return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm") else "chunk"
+    return "pallas" if on_gpu() else "chunk"
