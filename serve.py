@@ -12,7 +12,6 @@ before /health reports ready; with --compile-cache-dir a restart compiles nothin
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -83,6 +82,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    # Imported here, not at the top: --exact's XLA flags must be set before JAX starts.
     if a.exact:
         from laplace_jax.platform import set_exact
 
@@ -93,17 +93,15 @@ def main(argv: list[str] | None = None) -> int:
         set_compile_cache(a.compile_cache_dir)
     import jax
 
-    from laplace_jax.cli import UserError
+    from laplace_jax.errors import UserError
+    from laplace_jax.loading import cast_params, load_for_inference, newest_workdir
     from laplace_jax.serve.engine import Engine, SamplingParams
-    from laplace_jax.serve.loading import cast_params, load_for_serving, newest_workdir
     from laplace_jax.serve.metrics import ServeMetrics
     from laplace_jax.serve.server import Server, make_uvicorn
 
     try:
         path = a.checkpoint or newest_workdir()
-        cfg, params, tok, name = load_for_serving(path, a.tokenizer)
-        if a.exact:
-            cfg = dataclasses.replace(cfg, dtype="float32")
+        cfg, params, tok, name = load_for_inference(path, a.tokenizer, exact=a.exact)
         weights_dtype = "float32" if a.exact else (a.weights_dtype or cfg.dtype)
         params = cast_params(params, weights_dtype)
         buckets = a.decode_buckets if a.decode_buckets in ("pow2", "exact") else a.decode_buckets.split(",")
@@ -141,10 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{weights_dtype} weights{', exact' if a.exact else ''})"
     )
     print(
-        f"  {engine.D} device(s) x {engine.S} slots; state per sequence {engine.state_bytes:,} B, "
-        f"{engine.state_bytes * engine.S:,} B reserved per device"
+        f"  {engine.n_devices} device(s) x {engine.slots_per_device} slots; "
+        f"state per sequence {engine.state_bytes:,} B, "
+        f"{engine.state_bytes * engine.slots_per_device:,} B reserved per device"
     )
-    print(f"  decode buckets (per device) {engine.buckets or 'exact (compiled on demand)'}; prefill chunk {engine.P}")
+    buckets = engine.buckets or "exact (compiled on demand)"
+    print(f"  decode buckets (per device) {buckets}; prefill chunk {engine.prefill_chunk}")
     guarded = "/v1/* and /metrics" if a.protect_metrics else "/v1/*"
     print(f"  auth: {f'API key required on {guarded}' if a.api_key else 'off (no --api-key)'}")
     make_uvicorn(server, a.host, a.port).run()

@@ -40,7 +40,7 @@ def main(argv):
         jax.config.update("jax_num_cpu_devices", n)
         import json
 
-        from laplace_jax.train.loop import format_plan, plan
+        from laplace_jax.train.plan import format_plan, plan
 
         rep = plan(cfg)
         print(json.dumps(rep, indent=2) if FLAGS.json else format_plan(rep))

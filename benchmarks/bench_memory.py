@@ -90,7 +90,7 @@ def _inputs_only_standin():
 def step_report(config: str, batch: int, seq: int, dtype: str, remat: str, time_batch: int, standin: bool) -> dict:
     from laplace_jax.config import load_config_file
     from laplace_jax.layers import gla as gla_layer
-    from laplace_jax.train.loop import Setup, memory_report
+    from laplace_jax.train.trainer import Trainer, memory_report
 
     if standin:
         gla_layer.chunk_gla = _inputs_only_standin()
@@ -100,8 +100,8 @@ def step_report(config: str, batch: int, seq: int, dtype: str, remat: str, time_
     cfg.data.update(global_batch=batch, seq_len=seq)
     cfg.train.update(grad_accum=1)
     cfg.mesh.update(data=1, fsdp=1)
-    setup = Setup(cfg, devices=jax.devices()[:1])
-    compiled = setup.compile()
+    trainer = Trainer(cfg, devices=jax.devices()[:1])
+    compiled = trainer.compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     rep = {
@@ -115,10 +115,10 @@ def step_report(config: str, batch: int, seq: int, dtype: str, remat: str, time_
         from laplace_jax.platform import median_seconds
 
         cfg.data.update(global_batch=time_batch)
-        small = Setup(cfg, devices=jax.devices()[:1])
+        small = Trainer(cfg, devices=jax.devices()[:1])
         step = small.step_fn.lower(small.abstract_state, small.abstract_batch).compile()
         state = small.init(0)
-        tokens = jax.random.randint(jax.random.key(0), small.abstract_batch.shape, 0, setup.model.vocab_size)
+        tokens = jax.random.randint(jax.random.key(0), small.abstract_batch.shape, 0, trainer.model_cfg.vocab_size)
 
         def run():
             nonlocal state

@@ -30,6 +30,10 @@ def _roofline(config: str, width: int, key: str, fmt: str) -> Callable[[dict], s
     return lambda r: fmt.format(r["configs"][config]["roofline"]["buckets"][str(width)][key])
 
 
+def _coll(r: dict, kind: str) -> float:
+    return r["train_step_collectives_per_device"][kind]["bytes"]
+
+
 # (document, JSON file, formatter of the quoted text)
 CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("BENCHMARKS.md", "memory_kernel_3b_layer.json", lambda r: f"{r['kernel']['temporaries_bytes'] / GiB:.2f} GiB"),
@@ -51,6 +55,13 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
         "plan_3b.json",
         lambda r: f"{r['train_step_collectives_by_source']['muon']['all-to-all']['bytes'] / 1e9:.3f} GB",
     ),
+    ("BENCHMARKS.md", "plan_3b.json", lambda r: f"| {_coll(r, 'all-gather') / 1e9:.3f} GB |"),
+    ("BENCHMARKS.md", "plan_3b.json", lambda r: f"| {_coll(r, 'reduce-scatter') / 1e9:.3f} GB |"),
+    ("BENCHMARKS.md", "plan_3b.json", lambda r: f"| {r['wire_bytes_per_device']['reduce-scatter'] / 1e9:.3f} GB |"),
+    ("BENCHMARKS.md", "plan_3b.json", lambda r: f"| {r['cost']['overlapped']['tokens_per_s']:,.0f} |"),
+    ("BENCHMARKS.md", "plan_3b.json", lambda r: f"| {r['cost']['serial']['tokens_per_s']:,.0f} |"),
+    ("BENCHMARKS.md", "plan_3b.json", lambda r: f"{100 * r['cost']['seed']['mfu']:.0f}% MFU"),
+    ("README.md", "plan_3b.json", lambda r: f"{_coll(r, 'all-gather') / 1e9:.2f} GB of all-gather"),
     ("BENCHMARKS.md", "muon_3b.json", lambda r: f"{r['float32']['all_to_all_bytes_per_rank'] / 1e9:.3f} GB"),
     ("BENCHMARKS.md", "muon_3b.json", lambda r: f"{r['bfloat16']['reduction_vs_gather']:.1f}x"),
     ("BENCHMARKS.md", "serve_cpu_roofline.json", _roofline("small_100m", 1, "fraction_of_bandwidth", "{:.1%}")),

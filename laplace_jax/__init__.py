@@ -1,6 +1,7 @@
 """laplace-jax: Gated Linear Attention language models in JAX (Laplace 3B and the fla GLA family)."""
 
-from laplace_jax.config import ConfigError, ModelConfig
+from laplace_jax.config import ModelConfig
+from laplace_jax.errors import ConfigError
 from laplace_jax.models.gla_lm import (
     abstract_params,
     count_params,

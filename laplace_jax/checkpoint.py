@@ -20,12 +20,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from laplace_jax.config import ConfigError, ModelConfig
+from laplace_jax.config import ModelConfig
+from laplace_jax.errors import CheckpointError, ConfigError
 from laplace_jax.models.gla_lm import abstract_params
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, or for another model; the message says what to do."""
 
 
 def save_model(path: str, cfg: ModelConfig, params: Any) -> None:
@@ -51,16 +48,19 @@ def load_model_config(path: str) -> ModelConfig:
             raise CheckpointError(f"{cfg_file} is not a laplace model config: {e}") from e
 
 
+def _on_one_device(cfg: ModelConfig, device: jax.Device | None) -> Any:
+    """Abstract parameters of ``cfg`` placed on ``device`` (default: the first): a restore target."""
+    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract_params(cfg))
+
+
 def load_model(path: str, device: jax.Device | None = None) -> tuple[ModelConfig, Any]:
     """Read a model directory onto one device (default: the first): (ModelConfig, params)."""
     path = os.path.abspath(path)
     cfg = load_model_config(path)
-    device = device or jax.devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract_params(cfg))
     try:
         with ocp.StandardCheckpointer() as ckptr:
-            params = ckptr.restore(os.path.join(path, "params"), target)
+            params = ckptr.restore(os.path.join(path, "params"), _on_one_device(cfg, device))
     except (FileNotFoundError, ValueError) as e:
         raise CheckpointError(f"cannot restore {path}/params for the config in {path}/config.json: {e}") from e
     return cfg, params
@@ -122,8 +122,6 @@ def load_trained(
         )
     run_cfg = ckpt.saved_config(step)
     cfg = ModelConfig.from_mapping(run_cfg["model"])
-    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract_params(cfg))
-    params = ckpt.restore_params(step, target)
+    params = ckpt.restore_params(step, _on_one_device(cfg, device))
     ckpt.close()
     return run_cfg, cfg, params

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 
 from absl import app, flags
+from absl import logging as absl_logging
 
-
-class UserError(Exception):
-    """A mistake the user can fix (bad path, wrong data, too-small mesh); printed without a traceback."""
+from laplace_jax.errors import UserError
 
 
 def _parse(argv: list[str]) -> list[str]:
@@ -24,13 +24,7 @@ def _parse(argv: list[str]) -> list[str]:
 
 
 def run(main: Callable[[list[str]], None]) -> None:
-    """``absl.app.run`` with readable errors for config typos and ``UserError``/``ConfigError``."""
-    import logging
-
-    from absl import logging as absl_logging
-
-    from laplace_jax.config import ConfigError
-
+    """``absl.app.run`` with readable errors for config typos and every ``UserError``."""
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # no "Unable to initialize backend 'tpu'"
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO; --verbosity=0 restores it
 
@@ -42,7 +36,7 @@ def run(main: Callable[[list[str]], None]) -> None:
                 sys.exit(f"error: {e.__cause__ or e}")
         try:
             main(argv)
-        except (UserError, ConfigError) as e:
+        except UserError as e:
             sys.exit(f"error: {e}")
 
     app.run(guarded, flags_parser=_parse)

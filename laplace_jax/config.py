@@ -7,20 +7,20 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
+from laplace_jax.errors import ConfigError
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTN_IMPLS = ("chunk", "pallas", "recurrent", "auto")
 # What a layer keeps for its backward (the rest is recomputed); see models/gla_lm.py REMAT_POLICIES.
 REMAT = ("none", "full", "save_dots", "save_gla")
-
-
-class ConfigError(ValueError):
-    """A configuration value or key the model does not accept. The message says what to change."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +143,6 @@ class ModelConfig:
 
 def load_config_file(path: str) -> Any:
     """Load an ml_collections config file (``configs/x.py`` or ``configs/x.py:arg``) outside absl."""
-    import importlib.util
-    import os
-
     file, _, arg = path.partition(":")
     if not os.path.isfile(file):
         raise ConfigError(f"config file {file!r} does not exist (expected e.g. configs/tiny.py)")

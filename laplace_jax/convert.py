@@ -16,10 +16,13 @@ import os
 import sys
 from typing import Any
 
+import jax
 import numpy as np
 
-from laplace_jax import safetensors_io
-from laplace_jax.config import ConfigError, ModelConfig
+from laplace_jax import checkpoint, safetensors_io
+from laplace_jax.config import ModelConfig
+from laplace_jax.errors import CheckpointFormatError, ConfigError, SafetensorsError, UserError
+from laplace_jax.models.gla_lm import abstract_params, count_params
 
 # fla GLAConfig key -> ModelConfig field.
 _CONFIG_KEYS = {
@@ -80,10 +83,6 @@ _GATE_NORM_OURS = "attn/g_norm_swish_gate"
 _CONVS = ("q", "k", "v")
 
 
-class CheckpointFormatError(ValueError):
-    """The directory is not an fla GLA checkpoint this package can load; the message says why."""
-
-
 def config_from_fla(fla: dict[str, Any], **overrides: Any) -> ModelConfig:
     """ModelConfig from an fla config.json dict; unsupported options raise CheckpointFormatError."""
     if fla.get("model_type") != "gla":
@@ -128,7 +127,7 @@ def _read_state_dict(path: str) -> dict[str, np.ndarray]:
     for name in files:
         try:
             sd.update(safetensors_io.load(os.path.join(path, name)))
-        except (OSError, safetensors_io.SafetensorsError) as e:
+        except (OSError, SafetensorsError) as e:
             raise CheckpointFormatError(str(e)) from e
     return sd
 
@@ -190,10 +189,6 @@ def params_from_state_dict(cfg: ModelConfig, sd: dict[str, np.ndarray]) -> dict:
 
 
 def _check_shapes(cfg: ModelConfig, params: dict) -> None:
-    import jax
-
-    from laplace_jax.models.gla_lm import abstract_params
-
     want = abstract_params(cfg)
     got_paths = {jax.tree_util.keystr(p): v.shape for p, v in jax.tree_util.tree_leaves_with_path(params)}
     for path, ref in jax.tree_util.tree_leaves_with_path(want):
@@ -259,8 +254,6 @@ def save_fla(path: str, cfg: ModelConfig, params: dict, dtype: Any = np.float32)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from laplace_jax import checkpoint
-
     ap = argparse.ArgumentParser(prog="python -m laplace_jax.convert", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("from-fla", help="fla save_pretrained directory -> laplace model directory")
@@ -281,11 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             save_fla(
                 args.out, cfg, params, np.dtype(safetensors_io._DTYPES["BF16" if args.dtype == "bfloat16" else "F32"])
             )
-    except (CheckpointFormatError, ConfigError, checkpoint.CheckpointError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from laplace_jax.models.gla_lm import count_params
-
     print(f"wrote {args.out} ({count_params(params):,} parameters, {cfg.n_layers} layers, d_model {cfg.d_model})")
     return 0
 

@@ -5,6 +5,7 @@ data   source ('text' | 'mqar'), path ('' = embedded stdlib corpus), seq_len, gl
 opt    optimizer, schedule, Muon/AdamW hyperparameters, clipping
 train  steps, accumulation, logging/eval/checkpoint intervals, non-finite policy
 mesh   data / fsdp axis sizes (-1: all remaining devices) and logical axis rules
+plan   the target hardware for --plan's time-and-cost estimate (default: trn2.48xlarge, LNC=2)
 """
 
 from __future__ import annotations
@@ -92,4 +93,20 @@ def base_config() -> config_dict.ConfigDict:
         )
     )
     c.mesh = config_dict.ConfigDict(dict(data=1, fsdp=-1, rules=DEFAULT_RULES))
+    c.plan = trn2_48xlarge()
     return c
+
+
+def trn2_48xlarge() -> config_dict.ConfigDict:
+    """One logical NeuronCore (LNC=2) of a trn2.48xlarge, from AWS's Trainium2 specifications
+    (sources in README.md): a chip has 667 dense bf16 TFLOP/s and 1.28 TB/s of NeuronLink-v3
+    and is four logical cores; an instance is 16 chips = 64 logical cores."""
+    return config_dict.ConfigDict(
+        dict(
+            name="trn2.48xlarge (LNC=2)",
+            peak_tflops_per_device=667.0 / 4,
+            interconnect_gbps_per_device=1280.0 / 4,
+            devices_per_instance=64,
+            usd_per_instance_hour=0.0,  # set to your price to get a dollar figure; 0 = instance-hours only
+        )
+    )

@@ -10,20 +10,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from laplace_jax.config import ModelConfig
-from laplace_jax.models.gla_lm import decode_step, forward, prefill
-from laplace_jax.serve.sampling import sample_rows
+from laplace_jax.loss import loss_fn
+from laplace_jax.models.gla_lm import decode_step, prefill
+from laplace_jax.sampling import sample_rows
 
 
 def score(cfg: ModelConfig, params, ids: list[int]) -> float:
     """Mean next-token cross-entropy of ``ids`` (nats per token)."""
     if len(ids) < 2:
         raise ValueError("scoring needs at least two tokens")
-    tokens = jnp.asarray(ids, jnp.int32)[None]
-    logits = jax.jit(forward, static_argnums=0)(cfg, params, tokens[:, :-1])
-    return float(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean())
+    return float(jax.jit(loss_fn, static_argnums=0)(cfg, params, jnp.asarray(ids, jnp.int32)[None]))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))

@@ -32,13 +32,15 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 def source_of(op_name: str) -> str:
     """Which part of a train step a collective came from, by its JAX op_name: "embeddings" (the
-    token lookup and its gradient), "weights" (the model's explicit FSDP weight gathers,
-    ``layers.common.gathered``), "muon" (the optimizer's shard_map), or "other" (gradient
-    reductions, everything else)."""
+    token table's gather and its gradient's reduce-scatter), "weights" (every other model
+    parameter's FSDP gather and gradient reduction, ``layers.common.gathered``), "muon" (the
+    optimizer's all-to-alls), or "other" (the loss and the gradient norm)."""
     if "/embeddings/" in op_name:
         return "embeddings"
-    if "shard_map" in op_name:
-        return "weights" if "GLALM" in op_name else "muon"
+    if "GLALM" in op_name:
+        return "weights"
+    if "muon/" in op_name:
+        return "muon"
     return "other"
 
 

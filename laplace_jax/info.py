@@ -14,9 +14,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
-from laplace_jax.config import ModelConfig
+from laplace_jax.config import ModelConfig, model_config
 from laplace_jax.models.gla_lm import abstract_params, count_params, init_state
+from laplace_jax.optim.comm_report import format_comm_report, muon_comm_report, use_fake_cpu_devices
+from laplace_jax.optim.muon import PAYLOAD_DTYPES, payload_dtype
 
 
 def kv_cache_bytes(cfg: ModelConfig, tokens: int, bytes_per_elem: int = 2) -> int:
@@ -78,11 +81,6 @@ def format_report(rep: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    from absl import flags
-
-    from laplace_jax.config import model_config
-    from laplace_jax.optim.comm_report import format_comm_report, muon_comm_report, use_fake_cpu_devices
-
     del argv
     FLAGS = flags.FLAGS
     if FLAGS.muon:
@@ -90,8 +88,7 @@ def main(argv: list[str]) -> None:
     cfg = model_config(FLAGS.config)
     rep = model_report(cfg, FLAGS.kv_tokens)
     if FLAGS.muon:
-        comm = jnp.bfloat16 if FLAGS.comm_dtype == "bfloat16" else None
-        rep["muon"] = muon_comm_report(cfg, FLAGS.devices, comm)
+        rep["muon"] = muon_comm_report(cfg, FLAGS.devices, payload_dtype(FLAGS.comm_dtype))
     if FLAGS.json:
         print(json.dumps(rep, indent=2))
         return
@@ -102,7 +99,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from absl import flags
     from ml_collections import config_flags
 
     from laplace_jax import cli
@@ -113,5 +109,5 @@ if __name__ == "__main__":
     flags.DEFINE_integer("kv_tokens", 8192, "Context length for the softmax KV-cache comparison.")
     flags.DEFINE_bool("muon", False, "Compile the distributed Muon update and report its communication.")
     flags.DEFINE_integer("devices", 64, "Fake CPU devices (mesh size) for --muon.")
-    flags.DEFINE_enum("comm_dtype", "float32", ["float32", "bfloat16"], "All-to-all payload dtype for --muon.")
+    flags.DEFINE_enum("comm_dtype", "float32", list(PAYLOAD_DTYPES), "All-to-all payload dtype for --muon.")
     cli.run(main)

@@ -13,18 +13,21 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import psutil
 
-# Dense bf16 peak per device (TFLOP/s), by a substring of device_kind; approximate vendor figures.
-_PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "A100": 312.0,
-    "L4": 121.0,
-    "TPU v4": 275.0,
-    "TPU v5 lite": 197.0,
-    "TPU v5p": 459.0,
-    "TPU v6": 918.0,
-    "Trainium2": 83.0,  # per NeuronCore-v3; a logical core (LNC=2) is two of them
+# Dense (no sparsity) bf16 peak per JAX device in TFLOP/s, matched by a substring of
+# ``device_kind``, with where each figure comes from (README.md lists the same sources).
+PEAK_BF16_TFLOPS: dict[str, tuple[float, str]] = {
+    "H200": (989.0, "NVIDIA H200 product brief (SXM; 1,979 with sparsity)"),
+    "H100": (989.0, "NVIDIA H100 datasheet (SXM; 1,979 with sparsity)"),
+    "A100": (312.0, "NVIDIA A100 datasheet"),
+    "L4": (121.0, "NVIDIA L4 datasheet (242 with sparsity)"),
+    "TPU v4": (275.0, "Google Cloud TPU v4 documentation"),
+    "TPU v5 lite": (197.0, "Google Cloud TPU v5e documentation"),
+    "TPU v5p": (459.0, "Google Cloud TPU v5p documentation"),
+    "TPU v6": (918.0, "Google Cloud TPU v6e (Trillium) documentation"),
+    # 667 per chip over 4 logical NeuronCores (LNC=2, the trn2 default: 64 devices per trn2.48xlarge)
+    "Trainium2": (667.0 / 4, "AWS Neuron docs, Trainium2 architecture (667 TFLOP/s bf16 per chip)"),
 }
 
 
@@ -64,7 +67,7 @@ def set_exact() -> None:
     """Reproducibility over speed for this process: the XLA flags above and 'highest' matmul
     precision (no TF32 / bf16 passes on GPU and TPU). Call before anything touches a device; the
     caller also computes in float32 (``dataclasses.replace(cfg, dtype="float32")``)."""
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge  # private: imported only where the check needs it
 
     if xla_bridge.backends_are_initialized():
         raise RuntimeError("set_exact() must run before JAX initializes its backends (XLA reads its flags once)")
@@ -88,9 +91,9 @@ def peak_flops_per_device(override_tflops: float = 0.0) -> tuple[float, str]:
     dev = jax.devices()[0]
     if dev.platform == "cpu":
         return matmul_gflops(1024) * 1e9 / len(jax.devices()), "measured fp32 matmul on this CPU"
-    for key, tflops in _PEAK_TFLOPS.items():
+    for key, (tflops, source) in PEAK_BF16_TFLOPS.items():
         if key.lower() in dev.device_kind.lower():
-            return tflops * 1e12, f"bf16 dense peak of {key}"
+            return tflops * 1e12, f"dense bf16 peak of {key}: {source}"
     return 0.0, f"unknown device kind {dev.device_kind!r} (set train.peak_tflops)"
 
 
@@ -102,6 +105,4 @@ def device_memory_bytes(override_gib: float = 0.0) -> int:
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
-    import psutil
-
     return int(psutil.virtual_memory().total // jax.local_device_count())

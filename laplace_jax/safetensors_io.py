@@ -13,6 +13,8 @@ import struct
 import ml_dtypes
 import numpy as np
 
+from laplace_jax.errors import SafetensorsError
+
 _DTYPES = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
@@ -26,10 +28,6 @@ _DTYPES = {
     "BOOL": np.dtype(np.bool_),
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
-
-
-class SafetensorsError(ValueError):
-    """The file is not a readable safetensors file."""
 
 
 def load(path: str) -> dict[str, np.ndarray]:

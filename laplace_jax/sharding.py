@@ -10,11 +10,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from laplace_jax.cli import UserError
 from laplace_jax.config import ModelConfig
+from laplace_jax.errors import UserError
 from laplace_jax.models.gla_lm import param_logical_axes
 
-AXES = ("data", "fsdp")
+DATA, FSDP = "data", "fsdp"  # the mesh axes: pure data parallelism, and FSDP (parameters sharded too)
+AXES = (DATA, FSDP)
 
 
 def make_mesh(mesh_cfg: Any, devices: list[jax.Device] | None = None) -> Mesh:
@@ -38,17 +39,17 @@ def make_mesh(mesh_cfg: Any, devices: list[jax.Device] | None = None) -> Mesh:
     return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def rules(cfg: Any) -> tuple[tuple[str, Any], ...]:
-    return tuple((name, tuple(ax) if isinstance(ax, list) else ax) for name, ax in cfg.mesh.rules)
+def rules(config: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple((name, tuple(ax) if isinstance(ax, list) else ax) for name, ax in config.mesh.rules)
 
 
-def param_specs(model: ModelConfig, rule_set: tuple) -> Any:
+def param_specs(cfg: ModelConfig, rule_set: tuple) -> Any:
     """PartitionSpecs (mesh axes) for every parameter."""
-    return nn.logical_to_mesh(param_logical_axes(model), rule_set)
+    return nn.logical_to_mesh(param_logical_axes(cfg), rule_set)
 
 
-def param_shardings(model: ModelConfig, mesh: Mesh, rule_set: tuple) -> Any:
-    specs = param_specs(model, rule_set)
+def param_shardings(cfg: ModelConfig, mesh: Mesh, rule_set: tuple) -> Any:
+    specs = param_specs(cfg, rule_set)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 

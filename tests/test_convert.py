@@ -9,7 +9,8 @@ from safetensors.numpy import load_file
 
 from laplace_jax import ModelConfig, init_params
 from laplace_jax.checkpoint import load_model
-from laplace_jax.convert import CheckpointFormatError, load_fla, main, save_fla
+from laplace_jax.convert import load_fla, main, save_fla
+from laplace_jax.errors import CheckpointFormatError
 from tests.test_model import fla_config, write_fla_checkpoint
 
 

@@ -9,8 +9,9 @@ import pytest
 
 from laplace_jax.data.pipeline import array_windows, store_windows, train_batches
 from laplace_jax.data.prepare import main, prepare
-from laplace_jax.data.store import DataError, TokenStore
+from laplace_jax.data.store import TokenStore
 from laplace_jax.data.tokenizer import ByteTokenizer, load_tokenizer
+from laplace_jax.errors import DataError
 
 DOCS = [f"Document {i}: the quick brown fox {'jumps ' * i}over the lazy dog. é ✓" for i in range(40)]
 

@@ -16,15 +16,16 @@ import torch
 from laplace_jax import ModelConfig, init_params
 from laplace_jax.checkpoint import save_model
 from laplace_jax.data.prepare import prepare
-from laplace_jax.data.store import DataError
-from laplace_jax.data.synthetic import MQARWindows
+from laplace_jax.data.synthetic import NO_LOSS, MQARWindows
 from laplace_jax.data.tokenizer import ByteTokenizer
+from laplace_jax.errors import DataError
 from laplace_jax.eval.__main__ import main as eval_main
 from laplace_jax.eval.numerics import report
-from laplace_jax.eval.recall import answer_token, max_pairs, model_answers, mqar, passkey, score, suite
+from laplace_jax.eval.recall import answer_token, model_answers, score
 from laplace_jax.generate import sample
+from laplace_jax.loss import loss_fn
 from laplace_jax.serve.engine import Engine, Request, SamplingParams
-from laplace_jax.train.step import NO_LOSS, loss_fn
+from laplace_jax.tasks.recall import max_pairs, mqar, passkey, suite
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MICRO = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1)
@@ -251,17 +252,17 @@ def test_short_recall_training_beats_chance(tmp_path):
 
 
 def test_data_source_typos_are_clear_errors():
-    from laplace_jax.cli import UserError
     from laplace_jax.config import model_config
+    from laplace_jax.data.sources import TrainingData
     from laplace_jax.defaults import base_config
-    from laplace_jax.train.loop import Data
+    from laplace_jax.errors import UserError
 
     cfg = base_config()
     cfg.model.update(vocab_size=256, d_model=64, n_layers=1, n_heads=1)
     cfg.data.source = "mqr"
     with pytest.raises(UserError, match="'text' or 'mqar'"):
-        Data(cfg, model_config(cfg))
+        TrainingData(cfg, model_config(cfg))
     cfg.data.update(source="mqar", seq_len=32)
     cfg.data.mqar.update(min_pairs=1, max_pairs=20)
     with pytest.raises(DataError, match=r"does not fit data\.seq_len=32"):
-        Data(cfg, model_config(cfg))
+        TrainingData(cfg, model_config(cfg))

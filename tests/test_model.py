@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from laplace_jax import ModelConfig, decode_step, forward, init_params, prefill
-from laplace_jax.config import ConfigError
 from laplace_jax.convert import load_fla
+from laplace_jax.errors import ConfigError
 from tests.torch_gla import GLAForCausalLM
 
 LOGIT_TOL = 1e-4  # |jax - torch| <= 1e-4 * (|torch| + max|torch|) elementwise, fp32

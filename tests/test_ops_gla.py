@@ -12,25 +12,10 @@ import torch
 
 from laplace_jax.ops.gla import chunk_gla, gla_step, recurrent_gla
 from tests.torch_gla import naive_recurrent_gla
+from tests.torch_gla import random_gla_inputs as _inputs
+from tests.torch_gla import rel_error as _rel
 
 TOL = 1e-4  # max abs error relative to the output scale (max |o_ref|), fp32
-
-
-def _inputs(T, decay, seed=0, B=2, H=2, K=16, V=32, dtype=np.float32):
-    r = np.random.default_rng(seed)
-    q, k = (r.standard_normal((B, T, H, K)).astype(dtype) for _ in range(2))
-    v = r.standard_normal((B, T, H, V)).astype(dtype)
-    if decay == "weak":  # fla's gate: logsigmoid(z) / 16
-        g = np.log(1 / (1 + np.exp(-r.standard_normal((B, T, H, K))))) / 16
-    else:  # strong and mixed: per-token log-decays down to about -50 nats, some near 0
-        z = r.standard_normal((B, T, H, K)) * 30 - 20
-        g = -np.logaddexp(0, -z)
-    s0 = r.standard_normal((B, H, K, V)).astype(np.float32)
-    return q, k, v, g.astype(np.float32), s0
-
-
-def _rel(a, ref):
-    return float(np.max(np.abs(np.asarray(a, np.float64) - ref)) / np.max(np.abs(ref)))
 
 
 KERNELS = pytest.mark.parametrize("kernel", ["xla", "pallas"])

@@ -10,11 +10,11 @@ from __future__ import annotations
 import ast
 import os
 import sysconfig
+from pydoc_data.topics import topics
 
 
 def embedded_documents(max_chars: int = 6_000_000) -> list[str]:
     """Documents in a fixed order, about ``max_chars`` characters in all."""
-    from pydoc_data.topics import topics
 
     docs = [topics[k].strip() for k in sorted(topics)]
     total = sum(map(len, docs))

@@ -16,7 +16,8 @@ from typing import Protocol
 import grain
 import numpy as np
 
-from laplace_jax.data.store import DataError, TokenStore
+from laplace_jax.data.store import TokenStore
+from laplace_jax.errors import DataError
 
 
 class WindowSource(Protocol):

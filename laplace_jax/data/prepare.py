@@ -21,8 +21,9 @@ from collections.abc import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from laplace_jax.data.store import DataError, write_array
+from laplace_jax.data.store import write_array
 from laplace_jax.data.tokenizer import encode_batch, load_tokenizer
+from laplace_jax.errors import DataError
 
 BATCH = 256
 

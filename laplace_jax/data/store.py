@@ -15,11 +15,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from laplace_jax.errors import DataError
+
 CHUNK = 1 << 20
-
-
-class DataError(ValueError):
-    """Missing, corrupt or mismatched data; the message says how to fix it."""
 
 
 def _spec(path: str, dtype: str, shape: int | None = None) -> dict[str, Any]:

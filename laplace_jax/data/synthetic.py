@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from laplace_jax.data.store import DataError
-from laplace_jax.eval.recall import mqar_training_segments
-from laplace_jax.train.step import NO_LOSS
+from laplace_jax.errors import DataError
+from laplace_jax.tasks.recall import mqar_training_segments
+
+NO_LOSS = 1 << 30  # ORed into a token id: the model sees the plain id, the loss skips it as a target
 
 
 class MQARWindows:

@@ -45,7 +45,7 @@ class HFTokenizer:
     """A ``tokenizers`` JSON tokenizer. EOS: ``eos_token`` if given, else a known end token."""
 
     def __init__(self, path: str, eos_token: str | None = None):
-        from tokenizers import Tokenizer as _Tok
+        from tokenizers import Tokenizer as _Tok  # imported when used: byte-level runs never need it
 
         self.spec = os.path.abspath(path)
         self._tok = _Tok.from_file(path)

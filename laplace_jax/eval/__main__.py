@@ -14,13 +14,19 @@ Levels are N pairs for mqar and the needle's depth (0 = start, 1 = end) for pass
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import time
 
 import numpy as np
+from tqdm import tqdm
+
+from laplace_jax.errors import DataError, UserError
+from laplace_jax.tasks.recall import max_pairs, suite
+
+# Modules that touch JAX are imported inside the commands: ``--exact`` must set XLA's flags
+# (``platform.set_exact``) before JAX starts.
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,8 +76,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_recall_args(a: argparse.Namespace, cfg) -> None:
     """Reject grids the model or the task cannot take, before any compile."""
-    from laplace_jax.cli import UserError
-    from laplace_jax.eval.recall import max_pairs
 
     if min(a.lengths) < 16 or max(a.lengths) > cfg.max_seq_len:
         raise UserError(
@@ -89,10 +93,8 @@ def check_recall_args(a: argparse.Namespace, cfg) -> None:
 
 
 def recall(a: argparse.Namespace, loaded: list) -> None:
-    from tqdm import tqdm
 
-    from laplace_jax.cli import UserError
-    from laplace_jax.eval.recall import curves, heatmaps, model_answers, score, suite
+    from laplace_jax.eval.recall import curves, heatmaps, model_answers, score
     from laplace_jax.serve.engine import Engine
 
     results = {}
@@ -140,9 +142,7 @@ def numerics(a: argparse.Namespace, cfg, params) -> None:
 def perplexity(a: argparse.Namespace, cfg, params) -> None:
     import jax
 
-    from laplace_jax.cli import UserError
     from laplace_jax.data.pipeline import eval_batches, store_windows
-    from laplace_jax.data.store import DataError
     from laplace_jax.train.step import eval_step
 
     try:
@@ -161,20 +161,18 @@ def perplexity(a: argparse.Namespace, cfg, params) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    # Imported here, not at the top: --exact's XLA flags must be set before JAX starts.
     if a.exact:
         from laplace_jax.platform import set_exact
 
         set_exact()
-    from laplace_jax.cli import UserError
-    from laplace_jax.serve.loading import load_for_serving
+    from laplace_jax.loading import load_for_inference
 
     try:
         paths = a.checkpoint if isinstance(a.checkpoint, list) else [a.checkpoint]
         loaded = []
         for path in paths:
-            cfg, params, tok, name = load_for_serving(path, a.tokenizer)
-            if a.exact:
-                cfg = dataclasses.replace(cfg, dtype="float32")
+            cfg, params, tok, name = load_for_inference(path, a.tokenizer, exact=a.exact)
             loaded.append((cfg, params, tok, name))
         if len({x[3] for x in loaded}) < len(loaded):
             raise UserError("checkpoints must have different directory names (they name the outputs)")

@@ -7,6 +7,8 @@ module's ``dtype`` and norms in float32, as in flash-linear-attention.
 from __future__ import annotations
 
 import functools
+import math
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -15,31 +17,75 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def normal_init(std: float, axes: tuple[str, ...]) -> nn.initializers.Initializer:
-    return nn.with_logical_partitioning(nn.initializers.normal(stddev=std), axes)
+def _manual(mesh: jax.sharding.AbstractMesh) -> bool:
+    """Whether we trace inside a ``shard_map`` over ``mesh`` (the train step's FSDP region)."""
+    return any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+
+
+def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
+    """``nn.with_logical_constraint``, except inside a ``shard_map`` (arrays there are per-device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and _manual(mesh):
+        return x
+    return nn.with_logical_constraint(x, axes)
+
+
+def local_shape(shape: tuple[int, ...], axes: tuple[str | None, ...]) -> tuple[int, ...]:
+    """A parameter's shape as the model sees it: its per-device shard inside the train step's
+    ``shard_map`` (each sharded dim divided by its mesh axes' sizes), ``shape`` everywhere else."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not _manual(mesh):
+        return shape
+    spec = nn.logical_to_mesh_axes(axes) or (None,) * len(shape)
+    sizes = [
+        1 if ax is None else math.prod(mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax)) for ax in spec
+    ]
+    return tuple(d // n for d, n in zip(shape, sizes, strict=True))
+
+
+def sharded_param(module: nn.Module, name: str, init: Any, shape: tuple[int, ...], axes: tuple[str, ...]) -> Array:
+    """``module.param`` (float32, logical ``axes``) with its shape per ``local_shape``."""
+    return module.param(name, nn.with_logical_partitioning(init, axes), local_shape(shape, axes), jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def gathered(w: Array, axes: tuple[str | None, ...], dtype: jnp.dtype) -> Array:
-    """A weight with logical ``axes`` cast to ``dtype`` on its shards, then all-gathered for use, so
-    an FSDP gather moves ``dtype`` bytes (bf16: half of fp32). The gradient is reduce-scattered
-    back to the shards and returned in fp32. Without logical axis rules and a mesh (one device,
-    serving) this is just the cast.
+    """A weight with logical ``axes``, cast to ``dtype`` on its shards and then all-gathered for
+    use, so an FSDP gather moves ``dtype`` bytes (bf16: half of fp32). The gradient goes back to
+    the shards in fp32. Every parameter the model reads goes through here.
 
-    The gather is an explicit ``shard_map`` collective (XLA's partitioner would place it on the
-    fp32 master), and 16-bit payloads cross it as uint16: XLA:CPU widens 16-bit float
-    collectives to fp32 (the Muon all-to-alls do the same)."""
+    - No logical axis rules or mesh (one device, serving): just the cast.
+    - Inside the train step's ``shard_map`` (``train.step``): an explicit all-gather, and the
+      gradient is reduce-scattered (``psum_scatter``): each device receives only its shard.
+    - Under plain ``jit`` (eval): the same all-gather in its own ``shard_map``; XLA's partitioner
+      reduces the gradient.
+
+    16-bit payloads cross the collectives as uint16: XLA:CPU widens 16-bit float collectives to
+    fp32 (the Muon all-to-alls do the same)."""
     return _gather(w, axes, dtype)
 
 
 def _mesh_spec(axes: tuple[str | None, ...]):
+    """(abstract mesh, PartitionSpec of ``axes`` under the current rules), or (None, None) with no mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None, None
-    spec = nn.logical_to_mesh_axes(axes)
-    if spec is None or all(a is None for a in spec):
-        return None, None
+    spec = nn.logical_to_mesh_axes(axes) or (None,) * len(axes)
     return mesh, jax.sharding.PartitionSpec(*spec)
+
+
+def _size(mesh: jax.sharding.AbstractMesh, ax: str | tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax))
+
+
+def _all_gather(x: Array, spec: jax.sharding.PartitionSpec, dtype: jnp.dtype) -> Array:
+    bits16 = jnp.dtype(dtype).itemsize == 2
+    if bits16:
+        x = jax.lax.bitcast_convert_type(x, jnp.uint16)
+    for dim, ax in enumerate(spec):
+        if ax is not None:
+            x = jax.lax.all_gather(x, ax, axis=dim, tiled=True)
+    return jax.lax.bitcast_convert_type(x, dtype) if bits16 else x
 
 
 def _gather(w, axes, dtype):
@@ -47,16 +93,11 @@ def _gather(w, axes, dtype):
     mesh, spec = _mesh_spec(axes)
     if mesh is None:
         return local
-    bits16 = jnp.dtype(dtype).itemsize == 2
-
-    def body(x):
-        if bits16:
-            x = jax.lax.bitcast_convert_type(x, jnp.uint16)
-        for dim, ax in enumerate(spec):
-            if ax is not None:
-                x = jax.lax.all_gather(x, ax, axis=dim, tiled=True)
-        return jax.lax.bitcast_convert_type(x, dtype) if bits16 else x
-
+    if _manual(mesh):
+        return _all_gather(local, spec, dtype)
+    if all(ax is None or _size(mesh, ax) == 1 for ax in spec):
+        return local
+    body = functools.partial(_all_gather, spec=spec, dtype=dtype)
     P = jax.sharding.PartitionSpec
     return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=P(), check_vma=False)(local)
 
@@ -66,12 +107,40 @@ def _gathered_fwd(w, axes, dtype):
 
 
 def _gathered_bwd(axes, dtype, _, g):
-    # g is the full gradient of the gathered weight (the partitioner sums the batch shards'
-    # parts); each device keeps its shard, in fp32
-    return (nn.with_logical_constraint(g.astype(jnp.float32), axes),)
+    g = g.astype(jnp.float32)
+    mesh, spec = _mesh_spec(axes)
+    if mesh is None:
+        return (g,)
+    if not _manual(mesh):
+        # the full gradient of the gathered weight; the partitioner reduces it to the shards
+        return (nn.with_logical_constraint(g, axes),)
+    # g is this device's part (from its rows of the batch): sum it over the sharded axes keeping
+    # this device's shard (reduce-scatter), and over every other axis in full
+    sharded = set()
+    for dim, ax in enumerate(spec):
+        if ax is not None:
+            g = jax.lax.psum_scatter(g, ax, scatter_dimension=dim, tiled=True)
+            sharded.update((ax,) if isinstance(ax, str) else ax)
+    rest = tuple(a for a in mesh.axis_names if a not in sharded and mesh.shape[a] > 1)
+    return (jax.lax.psum(g, rest) if rest else g,)
 
 
 gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
+class Embedding(nn.Module):
+    """The token table [vocab, features] (fp32 parameter ``embedding``), returned in ``dtype``."""
+
+    vocab: int
+    features: int
+    dtype: jnp.dtype = jnp.float32
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self) -> Array:
+        init = nn.initializers.normal(self.init_std)
+        table = sharded_param(self, "embedding", init, (self.vocab, self.features), ("vocab", "embed"))
+        return gathered(table, ("vocab", "embed"), self.dtype)
 
 
 class Linear(nn.Module):
@@ -86,7 +155,8 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        kernel = self.param("kernel", normal_init(self.init_std, self.axes), (x.shape[-1], self.features), jnp.float32)
+        shape = (x.shape[-1], self.features)  # activations keep their full width on every device
+        kernel = sharded_param(self, "kernel", nn.initializers.normal(self.init_std), shape, self.axes)
         out_dtype = jnp.float32 if self.fp32_out else self.dtype
         y = jnp.einsum(
             "...i,io->...o",
@@ -95,13 +165,8 @@ class Linear(nn.Module):
             preferred_element_type=out_dtype,
         )
         if self.use_bias:
-            bias = self.param(
-                "bias",
-                nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:]),
-                (self.features,),
-                jnp.float32,
-            )
-            y = y + bias.astype(out_dtype)
+            bias = sharded_param(self, "bias", nn.initializers.zeros, (self.features,), self.axes[1:])
+            y = y + gathered(bias, self.axes[1:], jnp.float32).astype(out_dtype)
         return y
 
 
@@ -119,10 +184,8 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        w = self.param(
-            "weight", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],), jnp.float32
-        )
-        return (rms_normalize(x, self.eps) * w).astype(self.dtype)
+        w = sharded_param(self, "weight", nn.initializers.ones, (x.shape[-1],), ("norm",))
+        return (rms_normalize(x, self.eps) * gathered(w, ("norm",), jnp.float32)).astype(self.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -136,8 +199,8 @@ class GatedRMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, o: Array, g: Array) -> Array:
-        w = self.param(
-            "weight", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (o.shape[-1],), jnp.float32
+        w = gathered(
+            sharded_param(self, "weight", nn.initializers.ones, (o.shape[-1],), ("norm",)), ("norm",), jnp.float32
         )
         g = g.astype(jnp.float32)
         return (rms_normalize(o, self.eps) * w * g * jax.nn.sigmoid(g)).astype(self.dtype)
@@ -161,7 +224,7 @@ class ShortConv(nn.Module):
     ) -> tuple[Array, Array]:
         B, T, D = x_BxTxD.shape
         W = self.width
-        kernel = self.param("kernel", normal_init(self.init_std, ("conv", "heads")), (W, D), jnp.float32)
+        kernel = sharded_param(self, "kernel", nn.initializers.normal(self.init_std), (W, D), ("conv", "heads"))
         if cache_BxWxD is None:
             cache_BxWxD = jnp.zeros((B, W, D), self.dtype)
         full = jnp.concatenate([cache_BxWxD.astype(self.dtype), x_BxTxD.astype(self.dtype)], axis=1)  # [B, W+T, D]

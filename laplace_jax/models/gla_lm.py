@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from laplace_jax.config import ModelConfig
-from laplace_jax.layers.common import Linear, RMSNorm, SwiGLU
+from laplace_jax.layers.common import Embedding, Linear, RMSNorm, SwiGLU, constrain
 from laplace_jax.layers.gla import GatedLinearAttention
 
 Array = jax.Array
@@ -45,7 +45,7 @@ class Block(nn.Module):
         x_BxTxD, lengths_B, stack = carry
         cfg = self.cfg
         dt = cfg.compute_dtype
-        x_BxTxD = nn.with_logical_constraint(x_BxTxD, ("batch", "length", "act_embed"))
+        x_BxTxD = constrain(x_BxTxD, ("batch", "length", "act_embed"))
         state = (
             None if stack is None else jax.tree.map(lambda s: jax.lax.dynamic_index_in_dim(s, layer, 0, False), stack)
         )
@@ -70,15 +70,8 @@ class GLALM(nn.Module):
     ) -> tuple[Array, State | None]:
         cfg = self.cfg
         dt = cfg.compute_dtype
-        embed = nn.Embed(
-            cfg.vocab_size,
-            cfg.d_model,
-            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ("vocab", "embed")),
-            param_dtype=jnp.float32,
-            dtype=dt,
-            name="embeddings",
-        )
-        x = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "act_embed"))
+        table_VxD = Embedding(cfg.vocab_size, cfg.d_model, dt, cfg.init_std, name="embeddings")()
+        x = constrain(jnp.take(table_VxD, tokens_BxT, axis=0), ("batch", "length", "act_embed"))
         block = Block if cfg.remat == "none" else nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat])
         stack = nn.scan(
             block,
@@ -93,14 +86,13 @@ class GLALM(nn.Module):
         (x, _, state), _ = stack(cfg, name="layers")((x, lengths_B, state), jnp.arange(cfg.n_layers))
         x = RMSNorm(cfg.norm_eps, dt, name="norm")(x)
         if cfg.tie_embeddings:
-            table = embed.embedding.astype(dt)
-            logits = jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32)
+            logits = jnp.einsum("btd,vd->btv", x, table_VxD, preferred_element_type=jnp.float32)
         else:
             head = Linear(
                 cfg.vocab_size, ("embed", "vocab"), dtype=dt, init_std=cfg.init_std, fp32_out=True, name="lm_head"
             )
             logits = head(x)
-        logits = nn.with_logical_constraint(logits, ("batch", "length", "act_vocab"))
+        logits = constrain(logits, ("batch", "length", "act_vocab"))
         return logits.astype(jnp.float32), state
 
 

@@ -147,6 +147,27 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, s0_ref, o_ref, sT_ref, st_ref, *, sc
     sT_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, s0_ref[...].astype(f32))
 
 
+def _diag_dq(dA: Array, k: Array, g: Array) -> Array:
+    """A diagonal sub-block's share of dq (before ``scale``): row t sums dA[t, s] k[s] e^{b_t - b_s}
+    over s <= t. dA: [SUB, SUB] lower-triangular; k, g: [SUB, K]."""
+
+    def add(s, acc):
+        return acc + _col(dA, s) * _row(k, s) * _pair_decay(g, s)
+
+    return jax.lax.fori_loop(0, SUB, add, jnp.zeros(k.shape, f32))
+
+
+def _diag_dk(dA: Array, q: Array, g: Array) -> Array:
+    """A diagonal sub-block's share of dk (before ``scale``): row s sums dA[t, s] q[t] e^{b_t - b_s}
+    over t >= s. dA: [SUB, SUB] lower-triangular; q, g: [SUB, K]."""
+
+    def add(s, dk):
+        row = jnp.sum(_col(dA, s) * q * _pair_decay(g, s), axis=0, keepdims=True)
+        return dk + jnp.where(jax.lax.broadcasted_iota(jnp.int32, dk.shape, 0) == s, row, 0.0)
+
+    return jax.lax.fori_loop(0, SUB, add, jnp.zeros(q.shape, f32))
+
+
 def _bwd_kernel(
     q_ref, k_ref, v_ref, g_ref, st_ref, do_ref, dsT_ref, dq_ref, dk_ref, dv_ref, ds0_ref, *, scale, C, dtype
 ):
@@ -183,10 +204,7 @@ def _bwd_kernel(
             dq_i = dq_i + scale * head * acc
             dA = jnp.where(_iota(1) <= _iota(0), _mm(do_i, v_i, (1, 1)), 0.0)
 
-            def diag(s, acc):
-                return acc + _col(dA, s) * _row(k_i, s) * _pair_decay(g_i, s)
-
-            dq_i = dq_i + scale * jax.lax.fori_loop(0, SUB, diag, jnp.zeros((SUB, K), f32))
+            dq_i = dq_i + scale * _diag_dq(dA, k_i, g_i)
             dq_ref[pl.ds(r0, SUB), :] = dq_i
             return prefix + jnp.sum(g_i, axis=0, keepdims=True), dS_acc
 
@@ -219,11 +237,7 @@ def _bwd_kernel(
             dv_j = dv_j + _mm(A, do_j, (0, 0), dtype)
             dA = jnp.where(_iota(1) <= _iota(0), _mm(do_j, v_j, (1, 1)), 0.0)
 
-            def diag(s, dk):
-                row = jnp.sum(_col(dA, s) * q_j * _pair_decay(g_j, s), axis=0, keepdims=True)
-                return dk + jnp.where(jax.lax.broadcasted_iota(jnp.int32, dk.shape, 0) == s, scale * row, 0.0)
-
-            dk_j = jax.lax.fori_loop(0, SUB, diag, dk_j)
+            dk_j = dk_j + scale * _diag_dk(dA, q_j, g_j)
             dk_ref[pl.ds(j0, SUB), :] = dk_j
             dv_ref[pl.ds(j0, SUB), :] = dv_j.astype(dv_ref.dtype)
             return suffix + jnp.sum(g_j, axis=0, keepdims=True)
@@ -248,7 +262,7 @@ def _specs(T: int, K: int, BV: int, n_chunks: int):
 def _compiler_params(interpret: bool):
     if interpret:
         return None
-    from jax.experimental.pallas import triton as plgpu_triton
+    from jax.experimental.pallas import triton as plgpu_triton  # GPU only; interpret mode never loads it
 
     return plgpu_triton.CompilerParams(num_warps=4, num_stages=2)
 

@@ -19,9 +19,10 @@ from laplace_jax.hlo_stats import collective_bytes
 from laplace_jax.models.gla_lm import abstract_params
 from laplace_jax.optim.muon import label_params, scale_by_muon
 from laplace_jax.optim.newton_schulz import make_plan
+from laplace_jax.sharding import FSDP
 
 
-def fake_mesh(n_devices: int, axis: str = "fsdp") -> jax.sharding.Mesh:
+def fake_mesh(n_devices: int, axis: str = FSDP) -> jax.sharding.Mesh:
     """A 1-D mesh over ``n_devices`` CPU devices (fake ones: see ``use_fake_cpu_devices``)."""
     devices = jax.devices("cpu")
     if len(devices) < n_devices:
@@ -45,7 +46,7 @@ def muon_comm_report(cfg: ModelConfig, n_devices: int, comm_dtype: Any = None, n
     hidden = [x for x, lab in zip(jax.tree.leaves(params), jax.tree.leaves(labels), strict=True) if lab == "muon"]
 
     def spec(x):
-        return NamedSharding(mesh, P(*([None] * (x.ndim - 2)), "fsdp", None))
+        return NamedSharding(mesh, P(*([None] * (x.ndim - 2)), FSDP, None))
 
     abstract = [jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=spec(x)) for x in hidden]
     tx = scale_by_muon(mesh=mesh, comm_dtype=comm_dtype, ns_steps=ns_steps)

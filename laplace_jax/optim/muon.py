@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
+from laplace_jax.errors import ConfigError
 from laplace_jax.optim.newton_schulz import distributed_newton_schulz, make_plan
 
 DEFAULT_ROUTING: tuple[tuple[str, str], ...] = (
@@ -39,6 +40,16 @@ DEFAULT_ROUTING: tuple[tuple[str, str], ...] = (
     (r"/kernel$", "muon"),
 )
 ADJUST_LR = ("match_rms_adamw", "original")
+
+
+PAYLOAD_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # config name -> all-to-all payload (None: fp32)
+
+
+def payload_dtype(name: str) -> jnp.dtype | None:
+    """The Muon all-to-all payload for a config value ('float32' or 'bfloat16'), as ``comm_dtype`` takes it."""
+    if name not in PAYLOAD_DTYPES:
+        raise ConfigError(f"opt.comm_dtype must be one of {sorted(PAYLOAD_DTYPES)}; got {name!r}")
+    return PAYLOAD_DTYPES[name]
 
 
 def path_str(path: tuple) -> str:
@@ -142,9 +153,9 @@ def orthogonalize(
             for x, d in zip(padded, dims, strict=True)
         )
         fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=in_specs, check_vma=False)
-        out = [
-            jax.lax.slice_in_dim(y, 0, y.shape[d] - p, axis=d) for y, d, p in zip(fn(*padded), dims, pads, strict=True)
-        ]
+        with jax.named_scope("muon"):  # names its collectives in the HLO (hlo_stats.source_of)
+            done = fn(*padded)
+        out = [jax.lax.slice_in_dim(y, 0, y.shape[d] - p, axis=d) for y, d, p in zip(done, dims, pads, strict=True)]
     return jax.tree.unflatten(treedef, [y.astype(x.dtype) for y, x in zip(out, leaves, strict=True)])
 
 

@@ -53,7 +53,8 @@ class Plan:
 
     shapes[i]: (rows, cols) of matrix i, its split axis padded to a multiple of N; split[i]: 0 if
     ranks hold row blocks, 1 if column blocks; owner[i]: its rank;
-    offset[i]: start of its row block inside the owner's segment; segment: padded segment
+    offset[i]: start of a rank's block of it (rows or columns, per split[i]) inside the owner's
+    segment; segment: padded segment
     length S (elements) so every rank sends and receives an [N, S] buffer.
     """
 
@@ -95,6 +96,28 @@ def make_plan(shapes: Sequence[tuple[int, int]], n_ranks: int, split: Sequence[i
     return Plan(n_ranks, padded, split, tuple(owner), tuple(offset), max([*used, 1]), flops)
 
 
+def _pack(pieces_by_owner: dict[int, list[Array]], n_ranks: int, segment: int, wire: jnp.dtype) -> Array:
+    """The [N, S] send buffer: row o holds the flattened pieces for rank o, zero-padded to S."""
+    rows = []
+    for o in range(n_ranks):
+        flat = [p.reshape(-1) for p in pieces_by_owner.get(o, [])]
+        row = jnp.concatenate(flat) if flat else jnp.zeros((0,), jnp.float32)
+        rows.append(jnp.pad(row, (0, segment - row.shape[0])))
+    return jnp.stack(rows).astype(wire)
+
+
+def _exchange(buf_NxS: Array, axis_name: str | None, n_ranks: int) -> Array:
+    """One all-to-all of the buffer's rows over ``axis_name`` (nothing with one rank), back in fp32."""
+    if n_ranks == 1:
+        return buf_NxS.astype(jnp.float32)
+    if buf_NxS.dtype.itemsize == 2:
+        # Some backends (XLA:CPU) widen 16-bit float collectives to f32; as uint16 the payload
+        # stays 2 bytes per element everywhere.
+        bits = jax.lax.all_to_all(jax.lax.bitcast_convert_type(buf_NxS, jnp.uint16), axis_name, 0, 0, tiled=True)
+        return jax.lax.bitcast_convert_type(bits, buf_NxS.dtype).astype(jnp.float32)
+    return jax.lax.all_to_all(buf_NxS, axis_name, 0, 0, tiled=True).astype(jnp.float32)
+
+
 def distributed_newton_schulz(
     blocks: list[Array],
     plan: Plan,
@@ -105,39 +128,21 @@ def distributed_newton_schulz(
     eps: float,
     comm_dtype: jnp.dtype | None = None,
 ) -> list[Array]:
-    """Orthogonalise matrices held as row blocks. Runs inside ``shard_map`` when N > 1.
+    """Orthogonalise matrices held as blocks over ranks. Runs inside ``shard_map`` when N > 1.
 
     blocks[i]: this rank's block of matrix i (fp32): [rows / N, cols] or [rows, cols / N] as
-    ``plan.split[i]`` says. Returns the matching
-    blocks of NS(matrix i). With N == 1 the blocks are the whole matrices and no collective runs.
+    ``plan.split[i]`` says. Returns the matching blocks of NS(matrix i). With N == 1 the blocks
+    are the whole matrices and no collective runs.
     """
     N, S = plan.n_ranks, plan.segment
     f32 = jnp.float32
     wire = comm_dtype or f32
 
-    def pack(pieces_by_owner: dict[int, list[Array]]) -> Array:
-        rows = []
-        for o in range(N):
-            flat = [p.reshape(-1) for p in pieces_by_owner.get(o, [])]
-            row = jnp.concatenate(flat) if flat else jnp.zeros((0,), f32)
-            rows.append(jnp.pad(row, (0, S - row.shape[0])))
-        return jnp.stack(rows).astype(wire)
-
-    def exchange(buf_NxS: Array) -> Array:
-        if N == 1:
-            return buf_NxS.astype(f32)
-        if buf_NxS.dtype.itemsize == 2:
-            # Some backends (XLA:CPU) widen 16-bit float collectives to f32; as uint16 the payload
-            # stays 2 bytes per element everywhere.
-            bits = jax.lax.all_to_all(jax.lax.bitcast_convert_type(buf_NxS, jnp.uint16), axis_name, 0, 0, tiled=True)
-            return jax.lax.bitcast_convert_type(bits, buf_NxS.dtype).astype(f32)
-        return jax.lax.all_to_all(buf_NxS, axis_name, 0, 0, tiled=True).astype(f32)
-
     # All-to-all #1: row o of the send buffer holds my blocks of the matrices rank o owns.
     by_owner: dict[int, list[Array]] = {}
     for i, blk in enumerate(blocks):
         by_owner.setdefault(plan.owner[i], []).append(blk.astype(f32))
-    received = exchange(pack(by_owner))  # row r: rank r's blocks of the matrices I own
+    received = _exchange(_pack(by_owner, N, S, wire), axis_name, N)  # row r: rank r's blocks of the matrices I own
 
     def owner_branch(rank: int):
         def run(recv_NxS: Array) -> Array:
@@ -170,7 +175,7 @@ def distributed_newton_schulz(
         me = jax.lax.axis_index(axis_name)
         results = jax.lax.switch(me, [owner_branch(r) for r in range(N)], received)
     # All-to-all #2: row o now holds my blocks of the results of the matrices rank o owns.
-    returned = exchange(results)
+    returned = _exchange(results, axis_name, N)
     out = []
     for i, blk in enumerate(blocks):
         size = blk.size

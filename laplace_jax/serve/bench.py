@@ -28,6 +28,9 @@ import time
 
 import httpx
 import numpy as np
+from tqdm import tqdm
+
+from laplace_jax.serve.soak import run_soak
 
 
 def arrival_gaps(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
@@ -161,10 +164,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def soak_main(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from laplace_jax.serve.soak import run_soak
-
     with tqdm(total=args.num_prompts, desc="soak", unit="req") as bar:
         res = asyncio.run(
             run_soak(

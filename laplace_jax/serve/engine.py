@@ -29,26 +29,22 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from laplace_jax.config import ModelConfig
+from laplace_jax.errors import InvalidParamError, QueueFullError
 from laplace_jax.serve.compiles import CompileCounter
 from laplace_jax.serve.programs import MAX_STOP_IDS, DevicePrograms
+
+if TYPE_CHECKING:  # a type only: prometheus_client is the [serve] extra, and eval runs the engine without it
+    from laplace_jax.serve.metrics import ServeMetrics
 
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 2.0
 MAX_RESTARTS, RESTART_WINDOW_S = 3, 600.0
-
-
-class InvalidParamError(ValueError):
-    """A request field out of range; ``param`` names it (the HTTP layer answers 400 with it)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclasses.dataclass
@@ -119,10 +115,6 @@ class Request:
         self.send([], "error")
 
 
-class QueueFullError(Exception):
-    """The admission queue is full; retry later."""
-
-
 def make_buckets(spec: str | list[int], max_num_seqs: int) -> list[int] | None:
     """Powers of two up to max_num_seqs plus max_num_seqs itself; an explicit list; or None (exact)."""
     if spec == "exact":
@@ -149,26 +141,27 @@ class Engine:
         steps_per_call: int = 4,
         max_model_len: int = 2048,
         max_queue: int = 64,
-        metrics: Any = None,
+        metrics: ServeMetrics | None = None,
         devices: Sequence[jax.Device] | None = None,
     ):
         """``max_num_seqs``: decode slots per device; ``devices``: where slots live (default: the
         first local device; ``serve.py`` passes all of them)."""
         self.cfg, self.eos_id = cfg, eos_id
-        self.S, self.P, self.K = max_num_seqs, prefill_chunk, steps_per_call
+        self.slots_per_device, self.prefill_chunk, self.steps_per_call = max_num_seqs, prefill_chunk, steps_per_call
         self.max_model_len, self.max_queue = max_model_len, max_queue
         self.buckets = make_buckets(buckets, max_num_seqs)
         self.metrics = metrics
         self.compiles = CompileCounter(metrics.on_compile if metrics is not None else None)
         self.devices = list(devices) if devices else jax.local_devices()[:1]
-        self.D = len(self.devices)
+        self.n_devices = len(self.devices)
         self.ready = False
         self.dead: str | None = None
         self.restarts = 0
         self.restarting: str | None = None  # the failure being recovered from
         self._restart_times: collections.deque[float] = collections.deque()
         self._waiting: collections.deque[Request] = collections.deque()
-        self._rows: list[list[Request]] = [[] for _ in range(self.D)]  # live requests: rows[d][i] <-> slot i of d
+        # live requests: rows[d][i] is in slot i of device d
+        self._rows: list[list[Request]] = [[] for _ in range(self.n_devices)]
         self._admitting: list[Request] = []
         self._cv = threading.Condition()
         self._stop = False
@@ -178,7 +171,7 @@ class Engine:
         self.programs = DevicePrograms(cfg, params, self.devices, max_num_seqs, prefill_chunk, steps_per_call)
         self.state_bytes = self.programs.state_bytes
         if metrics is not None:
-            metrics.set_devices(self.D, self.S)
+            metrics.set_devices(self.n_devices, self.slots_per_device)
 
     @property
     def vocab_size(self) -> int:
@@ -187,7 +180,7 @@ class Engine:
     @property
     def num_slots(self) -> int:
         """Decode slots over all devices."""
-        return self.D * self.S
+        return self.n_devices * self.slots_per_device
 
     def status(self) -> tuple[str, str]:
         """("ready" | "warming" | "restarting" | "dead", a sentence saying why)."""
@@ -284,6 +277,16 @@ class Engine:
         while self.counts() != (0, 0):
             self._step()
 
+    def serve_forever(self, progress: Callable[[str], None] | None = None) -> None:
+        """``warmup`` then ``loop`` (the engine thread's body). A failed warmup marks the engine
+        dead with the reason, which ``status`` reports."""
+        try:
+            self.warmup(progress)
+        except Exception as e:  # reported by status(); the server answers 503 with it
+            self.dead = f"warmup failed: {type(e).__name__}: {e}"
+            return
+        self.loop()
+
     def loop(self) -> None:
         """The engine thread: serve until ``stop``; recover from device-loop failures (see module doc)."""
         self.compiles.claim_thread()
@@ -320,7 +323,7 @@ class Engine:
                 r.fail(message or "the engine failed")
             else:
                 r.send([], reason)
-        self._rows = [[] for _ in range(self.D)]
+        self._rows = [[] for _ in range(self.n_devices)]
 
     def _recover(self, reason: str) -> bool:
         """Rebuild the slots and re-warm after a device-loop failure; False if the engine gave up."""
@@ -331,7 +334,7 @@ class Engine:
         message = f"the engine's device loop failed ({reason}); the request was ended and the engine restarted"
         for r in [*self._live(), *self._admitting]:
             r.fail(message)
-        self._rows, self._admitting = [[] for _ in range(self.D)], []
+        self._rows, self._admitting = [[] for _ in range(self.n_devices)], []
         if len(self._restart_times) > MAX_RESTARTS:
             self.dead = f"{reason} ({len(self._restart_times)} device-loop failures within {RESTART_WINDOW_S:.0f} s)"
             self._end_all("error", f"engine failed: {self.dead}")
@@ -369,7 +372,7 @@ class Engine:
 
     def _place(self) -> dict[int, Request]:
         """Take up to one waiting request per device with a free slot, least-loaded devices first."""
-        free = sorted((len(rows), d) for d, rows in enumerate(self._rows) if len(rows) < self.S)
+        free = sorted((len(rows), d) for d, rows in enumerate(self._rows) if len(rows) < self.slots_per_device)
         placed: dict[int, Request] = {}
         with self._cv:
             for _, d in free:
@@ -470,7 +473,7 @@ class Engine:
         for d, rows in enumerate(self._rows):
             for i, req in enumerate(rows):
                 out, reason = [], None
-                for k in range(self.K):
+                for k in range(self.steps_per_call):
                     if not valid[k, d, i]:
                         break
                     t = int(toks[k, d, i])
@@ -484,6 +487,6 @@ class Engine:
                 if reason:
                     done.setdefault(d, []).append(i)
         if self.metrics is not None:
-            self.metrics.on_decode(W, live, time.perf_counter() - t0, self.K)
+            self.metrics.on_decode(W, live, time.perf_counter() - t0, self.steps_per_call)
         if done:
             self._free(done)

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from laplace_jax.config import ModelConfig
 from laplace_jax.models.gla_lm import decode_step, init_state, prefill
-from laplace_jax.serve.sampling import sample_rows
+from laplace_jax.sampling import sample_rows
 
 MAX_STOP_IDS = 16  # EOS + up to 15 stop_token_ids per request, checked on device
 MODEL_SLOT_AXIS = 1  # state leaves are [L, slots, ...]
@@ -73,7 +73,8 @@ class DevicePrograms:
         steps_per_call: int,
     ):
         self.cfg = cfg
-        self.D, self.S, self.P, self.K = len(devices), slots_per_device, prefill_chunk, steps_per_call
+        self.D, self.S = len(devices), slots_per_device  # devices, slots per device
+        self.prefill_chunk, self.steps_per_call = prefill_chunk, steps_per_call
         self.mesh = Mesh(np.asarray(devices), ("data",))
         self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
         self.executables: dict[tuple[str, int], Any] = {}
@@ -170,10 +171,11 @@ class DevicePrograms:
             rows = dict(r, token=tok, count=r["count"] + 1, remaining=remaining, done=done)
             return self._constrain({"model": model, "rows": rows}), (tok, valid)
 
-        sub, (toks, valid) = jax.lax.scan(step, self._constrain(sub), None, length=self.K)
+        sub, (toks, valid) = jax.lax.scan(step, self._constrain(sub), None, length=self.steps_per_call)
         model = jax.tree.map(lambda x, s: give(x, s, MODEL_SLOT_AXIS), slots["model"], sub["model"])
         rows = jax.tree.map(lambda x, s: give(x, s, 0), slots["rows"], sub["rows"])
-        return self._constrain({"model": model, "rows": rows}), toks.reshape(self.K, D, W), valid.reshape(self.K, D, W)
+        K = self.steps_per_call
+        return self._constrain({"model": model, "rows": rows}), toks.reshape(K, D, W), valid.reshape(K, D, W)
 
     def _move(self, slots, src_D, dst_D):
         D = self.D
@@ -201,7 +203,7 @@ class DevicePrograms:
         state_D = self._abstract(jax.eval_shape(lambda: init_state(self.cfg, D)), self._model_sharding())
         logits = jax.ShapeDtypeStruct((D, V), jnp.float32, sharding=rows)
         ints = jax.ShapeDtypeStruct((D,), jnp.int32, sharding=rows)
-        tokens = jax.ShapeDtypeStruct((D, self.P), jnp.int32, sharding=rows)
+        tokens = jax.ShapeDtypeStruct((D, self.prefill_chunk), jnp.int32, sharding=rows)
         tpl = row_template()
         req = {k: jax.ShapeDtypeStruct((D, *tpl[k][0]), tpl[k][1], sharding=rows) for k in REQUEST_FIELDS}
         slots = self._abstract_slots()
@@ -233,7 +235,7 @@ class DevicePrograms:
     # ----- host calls ---------------------------------------------------------------------
     def prefill_rows(self, prompts: dict[int, list[int]]) -> tuple[Any, Any]:
         """Prefill prompt ``prompts[d]`` on device d (others idle): (states [D], last logits [D, V])."""
-        D, P_ = self.D, self.P
+        D, P_ = self.D, self.prefill_chunk
         state, logits = self.fresh, np.zeros((D, self.cfg.vocab_size), np.float32)
         longest = max(len(ids) for ids in prompts.values())
         ex = self.executables[("prefill", D)]

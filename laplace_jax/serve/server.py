@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,8 +27,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from laplace_jax.errors import InvalidParamError, QueueFullError
 from laplace_jax.serve.detok import TextStream
-from laplace_jax.serve.engine import Engine, InvalidParamError, QueueFullError, SamplingParams
+from laplace_jax.serve.engine import Engine, SamplingParams
 from laplace_jax.serve.engine import Request as EngineRequest
 from laplace_jax.serve.metrics import ServeMetrics
 
@@ -190,16 +192,9 @@ class Server:
         self.drain_timeout = drain_timeout
         self.warm_progress = "starting"
         self.created = int(time.time())
-        self.thread = threading.Thread(target=self._run_engine, name="engine", daemon=True)
+        progress = lambda msg: setattr(self, "warm_progress", msg)  # noqa: E731
+        self.thread = threading.Thread(target=engine.serve_forever, args=(progress,), name="engine", daemon=True)
         self.app = Boundary(self._build(), api_key, protect_metrics, max_body_bytes)
-
-    def _run_engine(self) -> None:
-        try:
-            self.engine.warmup(progress=lambda msg: setattr(self, "warm_progress", msg))
-        except Exception as e:  # reported on /health
-            self.engine.dead = f"warmup failed: {type(e).__name__}: {e}"
-            return
-        self.engine.loop()
 
     def begin_shutdown(self) -> None:
         """Stop admitting; requests still running near the end of ``drain_timeout`` finish with "length"."""
@@ -372,41 +367,47 @@ class Server:
             await asyncio.to_thread(self.engine.stop, True, self.drain_timeout)
 
         app = FastAPI(title="laplace-jax", lifespan=lifespan)
+        self._add_error_handlers(app)
+        self._add_status_routes(app)
+        self._add_generation_routes(app)
+        return app
 
-        def reply(exc: ApiError):
-            self.metrics.errors.labels(exc.type).inc()
-            headers = {"Retry-After": "1"} if exc.status == 429 else None
-            return _error(exc.status, exc.message, exc.param, exc.type, headers)
+    def _reply(self, exc: ApiError):
+        self.metrics.errors.labels(exc.type).inc()
+        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        return _error(exc.status, exc.message, exc.param, exc.type, headers)
 
+    def _not_ready(self) -> str | None:
+        """Why the engine cannot serve now (warming, restarting, dead), or None."""
+        state, message = self.engine.status()
+        if state == "ready":
+            return None
+        return f"warming up: {self.warm_progress}" if state == "warming" else message
+
+    def _ready_or_503(self) -> None:
+        if (why := self._not_ready()) is not None:
+            raise ApiError(503, why, None, "server_error")
+
+    def _add_error_handlers(self, app: FastAPI) -> None:
         @app.exception_handler(RequestValidationError)
         async def _invalid(_, exc: RequestValidationError):
             err = exc.errors()[0] if exc.errors() else {}
             loc = [str(x) for x in err.get("loc", []) if x != "body"]
             param = ".".join(loc) or None
             if err.get("type") == "extra_forbidden":
-                return reply(ApiError(400, f"unknown parameter {param!r}", param))
+                return self._reply(ApiError(400, f"unknown parameter {param!r}", param))
             if err.get("type") == "json_invalid":
-                return reply(ApiError(400, "the request body is not valid JSON", None))
-            return reply(ApiError(400, f"{param or 'body'}: {err.get('msg', 'invalid value')}", param))
+                return self._reply(ApiError(400, "the request body is not valid JSON", None))
+            return self._reply(ApiError(400, f"{param or 'body'}: {err.get('msg', 'invalid value')}", param))
 
         @app.exception_handler(ApiError)
         async def _api(_, exc: ApiError):
-            return reply(exc)
+            return self._reply(exc)
 
-        def not_ready() -> str | None:
-            """Why the engine cannot serve now (warming, restarting, dead), or None."""
-            state, message = self.engine.status()
-            if state == "ready":
-                return None
-            return f"warming up: {self.warm_progress}" if state == "warming" else message
-
-        def ready_or_503():
-            if (why := not_ready()) is not None:
-                raise ApiError(503, why, None, "server_error")
-
+    def _add_status_routes(self, app: FastAPI) -> None:
         @app.get("/health")
         async def health():
-            if (why := not_ready()) is not None:
+            if (why := self._not_ready()) is not None:
                 return _error(503, why, None, "server_error")
             return {"status": "ok", "restarts": self.engine.restarts}
 
@@ -433,9 +434,10 @@ class Server:
                 generate_latest(self.metrics.registry).decode(), media_type="text/plain; version=0.0.4"
             )
 
+    def _add_generation_routes(self, app: FastAPI) -> None:
         @app.post("/v1/completions")
         async def completions(request: Request, body: CompletionRequest):
-            ready_or_503()
+            self._ready_or_503()
             self._check_model(body.model)
             if body.logprobs is not None:
                 raise ApiError(400, "logprobs are not supported", "logprobs")
@@ -444,13 +446,11 @@ class Server:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request, body: ChatRequest):
-            ready_or_503()
+            self._ready_or_503()
             self._check_model(body.model)
             sp = self._sampling(body, body.max_completion_tokens or body.max_tokens)
             ids = self.tok.encode(chat_prompt(body.messages))
             return await self._respond(request, body, ids, sp, True)
-
-        return app
 
 
 class _Uvicorn(uvicorn.Server):
@@ -481,8 +481,6 @@ class BackgroundServer:
     """Run a ``Server`` with uvicorn in a thread on a loopback port (tests, benchmarks, notebooks)."""
 
     def __init__(self, server: Server, port: int, host: str = "127.0.0.1", ready_timeout: float = 600.0):
-        import httpx
-
         self.server, self.url = server, f"http://{host}:{port}"
         self.uv = make_uvicorn(server, host, port, log_level="error")
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
@@ -493,8 +491,9 @@ class BackgroundServer:
                 if httpx.get(self.url + "/health").status_code == 200:
                     self.ready_seconds = time.perf_counter() - t0
                     return
-            if server.engine.dead:
-                raise RuntimeError(server.engine.dead)
+            state, message = server.engine.status()
+            if state == "dead":
+                raise RuntimeError(message)
             time.sleep(0.1)
         raise TimeoutError(f"server not ready after {ready_timeout} s ({server.warm_progress})")
 

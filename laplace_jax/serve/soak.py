@@ -19,6 +19,7 @@ import time
 
 import httpx
 import numpy as np
+import psutil
 
 INVALID_BODIES = (
     lambda m: {"model": m, "prompt": "x", "seed": 2**64 + 3},
@@ -118,8 +119,6 @@ def _metric(text: str, name: str, label: str = "") -> float:
 def _rss_mb(pid: int | None) -> float | None:
     if pid is None:
         return None
-    import psutil
-
     return psutil.Process(pid).memory_info().rss / 2**20
 
 

@@ -13,11 +13,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from laplace_jax.cli import UserError
 from laplace_jax.config import ModelConfig
-from laplace_jax.models.gla_lm import forward
-from laplace_jax.optim import muon
+from laplace_jax.errors import UserError
+from laplace_jax.loss import loss_fn, loss_terms
+from laplace_jax.optim import muon, payload_dtype
+from laplace_jax.sharding import FSDP
 
 State = dict[str, Any]
 
@@ -49,9 +52,6 @@ def make_optimizer(opt: Any, steps: int, mesh: jax.sharding.Mesh | None = None, 
     """Global-norm clipping, then Muon + AdamW (or AdamW alone)."""
     sched = make_schedule(opt, steps)
     if opt.optimizer == "muon":
-        comm = {"float32": None, "bfloat16": jnp.bfloat16}.get(opt.comm_dtype, "bad")
-        if comm == "bad":
-            raise UserError(f"opt.comm_dtype must be 'float32' or 'bfloat16'; got {opt.comm_dtype!r}")
         core = muon(
             sched,
             beta=opt.beta,
@@ -61,10 +61,10 @@ def make_optimizer(opt: Any, steps: int, mesh: jax.sharding.Mesh | None = None, 
             adam_b1=opt.b1,
             adam_b2=opt.b2,
             adam_eps=opt.eps,
-            mesh=mesh if mesh is not None and mesh.shape["fsdp"] > 1 else None,
-            shard_axis="fsdp",
+            mesh=mesh if mesh is not None and mesh.shape[FSDP] > 1 else None,
+            shard_axis=FSDP,
             param_specs=specs,
-            comm_dtype=comm,
+            comm_dtype=payload_dtype(opt.comm_dtype),
         )
     elif opt.optimizer == "adamw":
         core = optax.adamw(sched, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)
@@ -73,20 +73,29 @@ def make_optimizer(opt: Any, steps: int, mesh: jax.sharding.Mesh | None = None, 
     return optax.chain(optax.clip_by_global_norm(opt.clip_norm), core), sched
 
 
-NO_LOSS = 1 << 30  # a data source ORs this into a token id to keep it out of the loss as a target
+def fsdp_value_and_grad(cfg: ModelConfig, mesh: Mesh, specs: Any) -> Any:
+    """(params, batch_BxT1) -> (loss, grads) with the batch split over every device of ``mesh``
+    and each device computing on its rows in a ``shard_map``. Parameters enter as their shards
+    (``specs``); the model all-gathers each weight where it is used (``layers.common.gathered``),
+    and the transpose of that gather reduce-scatters its gradient, so gradients leave the region
+    as shards, never as full all-reduced arrays."""
+    rows = P(mesh.axis_names)
 
+    axes = mesh.axis_names
 
-def loss_fn(model: ModelConfig, params: Any, batch_BxT1: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy (fp32) of windows [B, T + 1] over the targets without ``NO_LOSS``.
+    def local(params, batch_BxT1):
+        # Every device differentiates its own rows' share of the global mean; the gathers'
+        # transposes sum the shares. check_vma=False: those sums are written out in ``gathered``,
+        # which every parameter passes through, so JAX must not add its own.
+        def share(p):
+            total, count = loss_terms(cfg, p, batch_BxT1)
+            count = jax.lax.stop_gradient(jax.lax.psum(count, axes))  # targets on every device
+            return total / jnp.maximum(count, 1.0)
 
-    Text corpora flag nothing (every target counts); synthetic tasks such as MQAR flag their prompt
-    tokens so that only answers are trained. The model always sees the plain ids.
-    """
-    tokens_BxT1 = batch_BxT1 & (NO_LOSS - 1)
-    logits = forward(model, params, tokens_BxT1[:, :-1])
-    ce_BxT = optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxT1[:, 1:])
-    weight_BxT = ((batch_BxT1[:, 1:] & NO_LOSS) == 0).astype(ce_BxT.dtype)
-    return (ce_BxT * weight_BxT).sum() / jnp.maximum(weight_BxT.sum(), 1.0)
+        mine, grads = jax.value_and_grad(share)(params)
+        return jax.lax.psum(mine, axes), grads
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs, rows), out_specs=(P(), specs), check_vma=False)
 
 
 def init_state(params: Any, tx: optax.GradientTransformation) -> State:
@@ -95,19 +104,23 @@ def init_state(params: Any, tx: optax.GradientTransformation) -> State:
 
 
 def train_step(
-    model: ModelConfig, tx, sched, state: State, batch_AxBxT1: jax.Array, param_shardings: Any = None
+    cfg: ModelConfig,
+    tx,
+    sched,
+    state: State,
+    batch_AxBxT1: jax.Array,
+    mesh: Mesh | None = None,
+    param_specs: Any = None,
 ) -> tuple[State, dict]:
     """One optimizer step over ``grad_accum`` micro-batches. Returns (state, metrics).
 
-    ``param_shardings``: where the parameters live; each micro-batch's gradients are constrained
-    to them, so they are reduced to shards (reduce-scatter) rather than all-reduced in full."""
+    With a ``mesh`` of more than one device (and the parameters' ``param_specs`` on it), each
+    micro-batch's loss and gradients come from ``fsdp_value_and_grad``."""
     params = state["params"]
-
-    def grad_fn(p, b):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(model, p, b))(p)
-        if param_shardings is not None:
-            grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-        return loss, grads
+    if mesh is not None and mesh.size > 1:
+        grad_fn = fsdp_value_and_grad(cfg, mesh, param_specs)
+    else:
+        grad_fn = jax.value_and_grad(lambda p, b: loss_fn(cfg, p, b))
 
     def micro(carry, batch):
         loss, grads = grad_fn(params, batch)
@@ -140,13 +153,13 @@ def train_step(
     return new_state, metrics
 
 
-def eval_step(model: ModelConfig, params: Any, batch_BxT1: jax.Array) -> jax.Array:
-    return loss_fn(model, params, batch_BxT1)
+def eval_step(cfg: ModelConfig, params: Any, batch_BxT1: jax.Array) -> jax.Array:
+    return loss_fn(cfg, params, batch_BxT1)
 
 
-def flops_per_token(model: ModelConfig, n_params: int) -> float:
+def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     """Training FLOPs per token: 6 x (matmul parameters) + 3 x the GLA chunk-form FLOPs."""
-    matmul_params = n_params - (0 if model.tie_embeddings else model.vocab_size * model.d_model)  # lookup is free
-    C, K, V = model.chunk_size, model.head_k_dim, model.head_v_dim
-    gla = model.n_layers * model.n_heads * (4 * K * V + 2 * C * (K + V))
+    matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)  # lookup is free
+    C, K, V = cfg.chunk_size, cfg.head_k_dim, cfg.head_v_dim
+    gla = cfg.n_layers * cfg.n_heads * (4 * K * V + 2 * C * (K + V))
     return 6.0 * matmul_params + 3.0 * gla

@@ -1,7 +1,8 @@
-"""Find and load what serve.py serves: a train.py workdir or a model directory (e.g. converted fla)."""
+"""Load a model for inference (serve.py, the eval CLI) from a train.py workdir or a model directory."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from typing import Any
@@ -9,11 +10,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from laplace_jax.checkpoint import CheckpointError, load_model, load_trained
-from laplace_jax.cli import UserError
+from laplace_jax.checkpoint import load_model, load_trained
 from laplace_jax.config import ModelConfig
 from laplace_jax.data.store import read_meta
 from laplace_jax.data.tokenizer import load_tokenizer
+from laplace_jax.errors import UserError
 
 
 def newest_workdir(root: str = "runs") -> str:
@@ -27,8 +28,13 @@ def newest_workdir(root: str = "runs") -> str:
     return max(candidates, key=lambda d: os.path.getmtime(os.path.join(d, "checkpoints")))
 
 
-def load_for_serving(path: str, tokenizer: str | None = None) -> tuple[ModelConfig, Any, Any, str]:
-    """(ModelConfig, params on one device, tokenizer, name) from a workdir or a model directory."""
+def load_for_inference(
+    path: str, tokenizer: str | None = None, *, exact: bool = False
+) -> tuple[ModelConfig, Any, Any, str]:
+    """(ModelConfig, params on one device, tokenizer, name) from a workdir or a model directory.
+
+    ``exact``: the ``--exact`` mode of serve.py and the eval CLI: compute in float32 (their entry
+    point has called ``platform.set_exact()`` before JAX started)."""
     try:
         if os.path.isdir(os.path.join(path, "checkpoints")):
             run_cfg, cfg, params = load_trained(path)
@@ -42,10 +48,12 @@ def load_for_serving(path: str, tokenizer: str | None = None) -> tuple[ModelConf
                     f"{path} is a model directory without a tokenizer; pass --tokenizer PATH/tokenizer.json"
                 )
         tok = load_tokenizer(spec)
-    except (CheckpointError, FileNotFoundError) as e:
+    except FileNotFoundError as e:
         raise UserError(str(e)) from e
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"tokenizer has {tok.vocab_size} ids but the model only {cfg.vocab_size}")
+    if exact:
+        cfg = dataclasses.replace(cfg, dtype="float32")
     return cfg, params, tok, os.path.basename(os.path.normpath(path))
 
 

@@ -1,0 +1,1 @@
+"""Task generators shared by training data and evaluation (recall suites)."""
