@@ -30,6 +30,24 @@ def _roofline(config: str, width: int, key: str, fmt: str) -> Callable[[dict], s
     return lambda r: fmt.format(r["configs"][config]["roofline"]["buckets"][str(width)][key])
 
 
+_VS_RECURRENT = "vs_jax_grad_recurrent_max"
+
+
+def _sci(x: float) -> str:
+    """1.2e-7 style (the way the README writes small errors)."""
+    mantissa, exp = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exp)}"
+
+
+def _grads(r: dict, kernel: str) -> dict:
+    return r["gradients_max_rel"][kernel]
+
+
+def _grad_range(r: dict, kernel: str, name: str) -> str:
+    g = _grads(r, kernel)
+    return f"{_sci(g['vs_torch_float64_min'])} to {_sci(g['vs_torch_float64_max'])} ({name})"
+
+
 def _coll(r: dict, kind: str) -> float:
     return r["train_step_collectives_per_device"][kind]["bytes"]
 
@@ -63,6 +81,16 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("BENCHMARKS.md", "plan_3b.json", lambda r: f"{100 * r['cost']['seed']['mfu']:.0f}% MFU"),
     ("README.md", "plan_3b.json", lambda r: f"{_coll(r, 'all-gather') / 1e9:.2f} GB of all-gather"),
     ("BENCHMARKS.md", "muon_3b.json", lambda r: f"{r['float32']['all_to_all_bytes_per_rank'] / 1e9:.3f} GB"),
+    ("README.md", "numerics_kernels.json", lambda r: f"<= {_sci(r['forward_max_rel']['xla'])} (XLA)"),
+    ("README.md", "numerics_kernels.json", lambda r: f"<= {_sci(r['forward_max_rel']['pallas'])} (Pallas, interp"),
+    ("README.md", "numerics_kernels.json", lambda r: f"<= {_sci(r['forward_max_rel']['recurrent'])} (recurrent)"),
+    ("README.md", "numerics_kernels.json", lambda r: _grad_range(r, "xla", "XLA")),
+    ("README.md", "numerics_kernels.json", lambda r: _grad_range(r, "pallas", "Pallas")),
+    ("README.md", "numerics_kernels.json", lambda r: f"<= {_sci(_grads(r, 'xla')[_VS_RECURRENT])} (XLA)"),
+    ("README.md", "numerics_kernels.json", lambda r: f"<= {_sci(_grads(r, 'pallas')[_VS_RECURRENT])} (Pallas)"),
+    ("README.md", "numerics_kernels.json", lambda r: f"{_sci(r['bf16_rms_rel']['kernel_xla'])} (XLA)"),
+    ("README.md", "numerics_kernels.json", lambda r: f"{_sci(r['bf16_rms_rel']['kernel_pallas'])} (Pallas)"),
+    ("README.md", "numerics_kernels.json", lambda r: f"< 3e-2 | {_sci(r['bf16_rms_rel']['model_logits'])} |"),
     ("BENCHMARKS.md", "muon_3b.json", lambda r: f"{r['bfloat16']['reduction_vs_gather']:.1f}x"),
     ("BENCHMARKS.md", "serve_cpu_roofline.json", _roofline("small_100m", 1, "fraction_of_bandwidth", "{:.1%}")),
     ("BENCHMARKS.md", "serve_cpu_8dev.json", _roofline("tiny", 16, "tokens_per_s", "{:,.0f}")),
