@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from laplace_jax import ModelConfig, init_params
+from laplace_jax import ModelConfig, forward, init_params
 from laplace_jax.checkpoint import save_model
 from laplace_jax.data.prepare import prepare
 from laplace_jax.data.synthetic import NO_LOSS, MQARWindows
@@ -83,16 +83,16 @@ def test_loss_counts_only_unflagged_targets():
     keep = rng.random((2, 32)) < 0.3
     batch = ids.copy()
     batch[:, 1:] |= np.where(keep, 0, NO_LOSS).astype(np.int32)
-    got = float(loss_fn(MICRO, params, batch))
-    from laplace_jax.models.gla_lm import forward
-
-    logits = torch.tensor(np.asarray(forward(MICRO, params, ids[:, :-1])), dtype=torch.float64)
+    loss = jax.jit(loss_fn, static_argnums=0)
+    got = float(loss(MICRO, params, batch))
+    logits = jax.jit(forward, static_argnums=0)(MICRO, params, ids[:, :-1])
+    logits = torch.tensor(np.asarray(logits), dtype=torch.float64)
     ce = torch.nn.functional.cross_entropy(
         logits.reshape(-1, 256), torch.tensor(ids[:, 1:]).reshape(-1).long(), reduction="none"
     )
     want = float(ce[torch.tensor(keep.reshape(-1))].mean())
     assert abs(got - want) <= 1e-5 * abs(want)
-    assert abs(float(loss_fn(MICRO, params, ids)) - float(ce.mean())) <= 1e-5 * float(ce.mean())
+    assert abs(float(loss(MICRO, params, ids)) - float(ce.mean())) <= 1e-5 * float(ce.mean())
 
 
 def oracle(samples):
@@ -123,6 +123,7 @@ def test_scoring_takes_the_exact_first_word():
     assert answer_token("  4821.\n") == "4821" and answer_token("") == ""
 
 
+@pytest.mark.slow
 def test_model_scorer_answers_are_the_models_greedy_tokens():
     """The engine's answers equal generate.sample's greedy continuation (independent decode loop)."""
     params = init_params(MICRO, jax.random.key(0))
@@ -148,6 +149,7 @@ def test_model_scorer_answers_are_the_models_greedy_tokens():
         assert r["accuracy"] == np.mean(cell)
 
 
+@pytest.mark.slow
 def test_numerics_report_bounds_on_a_tiny_model():
     params = init_params(MICRO, jax.random.key(0))
     tokens = np.random.default_rng(0).integers(1, 256, (2, 100)).astype(np.int32)
@@ -179,6 +181,7 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow
 def test_cli_numerics_and_perplexity(model_dir, tmp_path, capsys):
     out = str(tmp_path / "out")
     assert (
@@ -214,6 +217,7 @@ def test_cli_recall_bad_input_is_a_clear_error(model_dir, tmp_path, capsys):
     assert "no sample fits" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_exact_sets_flags_and_removes_bf16_jit_drift(model_dir, tmp_path):
     """--exact needs a fresh process (XLA reads its flags once); compare with a plain run."""
     reps = {}

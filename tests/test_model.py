@@ -127,6 +127,7 @@ def test_remat_and_recurrent_impl_give_same_logits():
         np.testing.assert_allclose(forward(ModelConfig(**kw, **extra), params, tokens), ref, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_pallas_impl_gives_the_same_logits_and_gradients_under_jit():
     """model.attn_impl="pallas" (interpreted on CPU) against "chunk", through jit and grad; "auto" is "chunk" here."""
     kw = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1)
@@ -151,6 +152,7 @@ def test_pallas_impl_gives_the_same_logits_and_gradients_under_jit():
         ModelConfig(**{**kw, "chunk_size": 24}, attn_impl="pallas")
 
 
+@pytest.mark.slow
 def test_remat_policies_give_the_same_gradients_and_keep_what_they_say():
     kw = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1)
     params = init_params(ModelConfig(**kw), jax.random.key(0))

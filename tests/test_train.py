@@ -53,6 +53,7 @@ def test_loss_decreases_on_embedded_corpus(tmp_path):
     assert {"loss", "grad_norm", "lr", "tokens_per_s", "mfu"} <= set(rows[0])
 
 
+@pytest.mark.slow
 def test_resume_is_exact(tmp_path):
     cfg = micro_config(train=dict(steps=12, ckpt_every=4))
     straight = run(cfg, str(tmp_path / "a"), devices=jax.devices()[:1], log=_quiet)
@@ -77,6 +78,7 @@ def test_four_devices_equal_one(tmp_path):
     np.testing.assert_allclose(la, lb, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_checkpoint_from_4_devices_restores_on_1_in_fresh_process(tmp_path):
     cfg = micro_config(train=dict(steps=4))
     run(cfg, str(tmp_path), devices=jax.devices()[:4], log=_quiet)
