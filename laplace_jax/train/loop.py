@@ -107,7 +107,7 @@ def run(
             if pending is not None:  # the previous step's metrics: no host stall on this one
                 steps.record(*pending)
             pending = (step + 1, metrics)
-            steps.bar.update(1)
+            steps.advance()
             ckpt.save(step + 1, state, data_iter, config_json)
             if t.eval_every and (step + 1) % t.eval_every == 0:
                 writer.write(step + 1, {"eval_loss": trainer.eval_loss(state["params"], data.val)})

@@ -122,5 +122,9 @@ class StepLog:
                 f"state is checkpointed. Lower opt.lr or opt.clip_norm, or check the data; then resume"
             )
 
+    def advance(self) -> None:
+        """One more step dispatched (its metrics come a step later)."""
+        self.bar.update(1)
+
     def close(self) -> None:
         self.bar.close()

@@ -79,8 +79,6 @@ def fsdp_value_and_grad(cfg: ModelConfig, mesh: Mesh, specs: Any) -> Any:
     (``specs``); the model all-gathers each weight where it is used (``layers.common.gathered``),
     and the transpose of that gather reduce-scatters its gradient, so gradients leave the region
     as shards, never as full all-reduced arrays."""
-    rows = P(mesh.axis_names)
-
     axes = mesh.axis_names
 
     def local(params, batch_BxT1):
@@ -95,7 +93,7 @@ def fsdp_value_and_grad(cfg: ModelConfig, mesh: Mesh, specs: Any) -> Any:
         mine, grads = jax.value_and_grad(share)(params)
         return jax.lax.psum(mine, axes), grads
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(specs, rows), out_specs=(P(), specs), check_vma=False)
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(axes)), out_specs=(P(), specs), check_vma=False)
 
 
 def init_state(params: Any, tx: optax.GradientTransformation) -> State:
