@@ -17,8 +17,9 @@ FLOPs and the minimal memory traffic, and the achieved fraction of each roofline
 - peaks: a 2048^3 matmul in the benchmark dtype (FLOP/s) and a large elementwise copy
   (bytes read + written per second), both measured in the same run.
 
-``--baseline FILE`` also times the ``chunk_gla`` of another version of ``ops/gla.py`` side by side
-(e.g. ``git show REV:laplace_jax/ops/gla.py > /tmp/gla_before.py``), at chunk size 128.
+``--baseline FILE`` also times another version of the XLA kernel side by side, at chunk size 128:
+an ``ops/gla.py`` that defines ``chunk_gla`` (before the kernel moved out of it), or an
+``ops/gla_chunk.py`` (``git show REV:laplace_jax/ops/gla_chunk.py > /tmp/gla_chunk_before.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,20 @@ def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
     x = jnp.ones((n_bytes // 4,), jnp.float32)
     f = jax.jit(lambda x: x * 1.0001)
     return 2 * n_bytes / median_seconds(lambda: f(x), repeats)
+
+
+def baseline_fn(module, T: int):
+    """The baseline module's chunked GLA at C=128: its ``chunk_gla``, or its ``chunk_gla_padded``."""
+    if hasattr(module, "chunk_gla"):
+        return module.chunk_gla
+    if T % 128:
+        raise SystemExit("--baseline with a gla_chunk.py needs --T a multiple of 128")
+
+    def fn(q, k, v, g):
+        s0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+        return module.chunk_gla_padded(q, k, v, g, s0, q.shape[3] ** -0.5, 128)
+
+    return fn
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = importlib.util.spec_from_file_location("gla_baseline", a.baseline)
         base = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(base)
-        measure("baseline128", base.chunk_gla, gla_flops(a.B, a.T, a.H, a.K, a.V, 128), a.repeats)
+        measure("baseline128", baseline_fn(base, a.T), gla_flops(a.B, a.T, a.H, a.K, a.V, 128), a.repeats)
     if not a.no_recurrent:
         measure("recurrent", recurrent_gla, gla_flops(a.B, a.T, a.H, a.K, a.V, 128), 3)
     rec = res["impls"].get("recurrent")

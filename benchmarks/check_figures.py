@@ -52,9 +52,31 @@ def _coll(r: dict, kind: str) -> float:
     return r["train_step_collectives_per_device"][kind]["bytes"]
 
 
+SWEEP_DECAYS = ("-0.01", "-0.1", "-1.0", "-4.0", "-8.0", "-16.0", "mixed")
+
+
+def _sweep_row(decay: str) -> Callable[[dict], str]:
+    """One row of the decay-sweep table: dg per element / summed / per channel for each kernel."""
+
+    def cell(g: dict) -> str:
+        return f"{_sci(g['per_element'])} / {_sci(g['summed'])} / {_sci(g['per_channel'])}"
+
+    def others(r: dict) -> str:
+        return _sci(max(r[n]["per_element"] for n in ("q", "k", "v", "s0")))
+
+    def fmt(r: dict) -> str:
+        row = r["decays"][decay]
+        x, p, b = row["xla"], row["pallas"], row["baseline"]
+        return f"| {decay} | {cell(x['g'])} | {cell(p['g'])} | {others(x)} / {others(p)} | {cell(b['g'])} |"
+
+    return fmt
+
+
 # (document, JSON file, formatter of the quoted text)
 CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("BENCHMARKS.md", "memory_kernel_3b_layer.json", lambda r: f"{r['kernel']['temporaries_bytes'] / GiB:.2f} GiB"),
+    ("README.md", "memory_kernel_3b_layer.json", lambda r: f"{r['kernel']['temporaries_bytes'] / GiB:.2f} GiB"),
+    *(("BENCHMARKS.md", "decay_sweep.json", _sweep_row(d)) for d in SWEEP_DECAYS),
     ("README.md", "memory_kernel_3b_layer.json", lambda r: f"{r['kernel']['temporaries_over_io']:.1f}x"),
     ("README.md", "memory_step_340m.json", _policy("none")),
     ("README.md", "memory_step_340m.json", _policy("full")),

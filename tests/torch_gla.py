@@ -51,6 +51,11 @@ def naive_recurrent_gla(q, k, v, g, scale=None, initial_state=None):
     return torch.stack(outs, 1), S
 
 
+def _wide(x):
+    """x in float32, or float64 if it already is (fla computes norms and gates in fp32)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -58,13 +63,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        x = x.float()
+        x = _wide(x)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 class GatedNorm(RMSNorm):
     def forward(self, x, g):
-        return super().forward(x) * F.silu(g.float())
+        return super().forward(x) * F.silu(_wide(g))
 
 
 class ShortConv(nn.Conv1d):
@@ -80,6 +85,7 @@ class GLAAttention(nn.Module):
         super().__init__()
         d, H = c["hidden_size"], c["num_heads"]
         self.H = H
+        self.normalizer = c.get("gate_logit_normalizer", 16)
         self.G = H // (c.get("num_kv_heads") or H)
         key_dim, value_dim = int(d * c["expand_k"]), int(d * c["expand_v"])
         self.dk, self.dv = key_dim // H, value_dim // H
@@ -111,11 +117,11 @@ class GLAAttention(nn.Module):
         k = k.view(B, T, -1, self.dk).repeat_interleave(self.G, dim=2)
         gk = gk.view(B, T, -1, self.dk).repeat_interleave(self.G, dim=2)
         v = v.view(B, T, -1, self.dv).repeat_interleave(self.G, dim=2)
-        o, _ = naive_recurrent_gla(q, k, v, F.logsigmoid(gk.float()) / 16)
+        o, _ = naive_recurrent_gla(q, k, v, F.logsigmoid(_wide(gk)) / self.normalizer)
         g = self.g_proj(x).view(B, T, self.H, self.dv)
         if self.fused_norm:
             return self.o_proj(self.g_norm_swish_gate(o, g).reshape(B, T, -1))
-        return self.o_proj(self.g_norm(o).reshape(B, T, -1) * F.silu(g.reshape(B, T, -1).float()))
+        return self.o_proj(self.g_norm(o).reshape(B, T, -1) * F.silu(_wide(g.reshape(B, T, -1))))
 
 
 class MLP(nn.Module):

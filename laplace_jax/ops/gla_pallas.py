@@ -27,10 +27,17 @@ Backward (``jax.custom_vjp``): the forward saves the chunk-start states [B, H, N
 (tagged ``gla_states`` for ``model.remat="save_gla"``) and the inputs; the scores are
 recomputed. One backward program per (batch, head, value tile) walks the chunks in reverse
 with dS (the gradient on the chunk-end state) in registers and writes dv, dS0, and its value
-tile's share of dq and dk (summed over tiles outside the kernel). The gate gradient is then
-dg_t = sum_{u >= t} (q_u dq_u - k_u dk_u) + rowsum(S_T * dS_T): every gated factor is a ratio
-of e^{G} with G the global cumulative log-decay, so dL/dG_t = q_t dq_t - k_t dk_t (+ the final
-state's own term at t = T), and g_t enters every G_u with u >= t.
+tile's share of dq, dk and dg (summed over tiles outside the kernel).
+
+The gate gradient is built from pair sums, with no difference of large terms (the same
+derivation as ``gla_chunk``): a pair (r, s), s < r, adds P[r, s] = dA[r, s] s q_r k_s e^{b_r - b_s}
+to every g_t with s < t <= r. Inside a sub-block the kernel writes the reverse sums over r of
+q * dq (pairs whose key lies before the sub-block) and the forward sums over s of k * dk (pairs
+whose query lies after it), both as 0/1 triangular dots; the diagonal pairs reach t through one
+masked reverse sum per key row. What reaches a whole sub-block at once (a sub-block pair that
+straddles it, a query after the chunk start's state, a key whose state reaches a later chunk,
+and the chunk's own decay e^{b_C} rowsum(S * dS)) goes to a per-(chunk, sub-block) row, added
+to the sub-block's 16 rows outside the kernel.
 """
 
 from __future__ import annotations
@@ -99,13 +106,15 @@ def _diag_scores(q: Array, k: Array, g: Array, scale: float) -> Array:
     return scale * jax.lax.fori_loop(0, SUB, column, jnp.zeros((SUB, SUB), f32))
 
 
+def _load(ref, start) -> Array:
+    """Rows start .. start + 16 of a [T, D] ref, as fp32."""
+    return ref[pl.ds(start, SUB), :].astype(f32)
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, s0_ref, o_ref, sT_ref, st_ref, *, scale, C, dtype):
     """One (batch, head, value tile): q, k, g [T, K], v [T, BV], s0 [K, BV] -> o, final and chunk-start states."""
     n_chunks, n = q_ref.shape[0] // C, C // SUB
     K = q_ref.shape[1]
-
-    def load(ref, start):
-        return ref[pl.ds(start, SUB), :].astype(f32)
 
     def chunk(ci, S):
         st_ref[ci] = S
@@ -113,7 +122,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, s0_ref, o_ref, sT_ref, st_ref, *, sc
 
         def rows(i, prefix):  # prefix: sum of the whole sub-blocks before i [1, K]
             r0 = base + i * SUB
-            q_i, k_i, v_i, g_i = (load(x, r0) for x in (q_ref, k_ref, v_ref, g_ref))
+            q_i, k_i, v_i, g_i = (_load(x, r0) for x in (q_ref, k_ref, v_ref, g_ref))
             head, _ = _head_tail(g_i)
             qh = q_i * head
             o_i = _mm(qh * (scale * jnp.exp(prefix)), S, dtype=dtype)
@@ -121,7 +130,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, s0_ref, o_ref, sT_ref, st_ref, *, sc
             def earlier(jj, carry):  # key sub-block j = i-1-jj, gap: the sub-blocks strictly between
                 acc, gap = carry
                 j0 = base + (i - 1 - jj) * SUB
-                k_j, v_j, g_j = (load(x, j0) for x in (k_ref, v_ref, g_ref))
+                k_j, v_j, g_j = (_load(x, j0) for x in (k_ref, v_ref, g_ref))
                 _, tail = _head_tail(g_j)
                 A = scale * _mm(qh, k_j * tail * jnp.exp(gap), (1, 1))
                 return acc + _mm(A, v_j, dtype=dtype), gap + jnp.sum(g_j, axis=0, keepdims=True)
@@ -136,7 +145,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, s0_ref, o_ref, sT_ref, st_ref, *, sc
         def state_rows(ii, carry):  # sub-block i = n-1-ii, suffix: the sub-blocks after i
             acc, suffix = carry
             r0 = base + (n - 1 - ii) * SUB
-            k_i, v_i, g_i = (load(x, r0) for x in (k_ref, v_ref, g_ref))
+            k_i, v_i, g_i = (_load(x, r0) for x in (k_ref, v_ref, g_ref))
             _, tail = _head_tail(g_i)
             acc = acc + _mm(k_i * tail * jnp.exp(suffix), v_i, (0, 0), dtype)
             return acc, suffix + jnp.sum(g_i, axis=0, keepdims=True)
@@ -147,14 +156,33 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, s0_ref, o_ref, sT_ref, st_ref, *, sc
     sT_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, s0_ref[...].astype(f32))
 
 
-def _diag_dq(dA: Array, k: Array, g: Array) -> Array:
-    """A diagonal sub-block's share of dq (before ``scale``): row t sums dA[t, s] k[s] e^{b_t - b_s}
-    over s <= t. dA: [SUB, SUB] lower-triangular; k, g: [SUB, K]."""
+def _ones(mask: Array) -> Array:
+    return jnp.where(mask, 1.0, 0.0)
 
-    def add(s, acc):
-        return acc + _col(dA, s) * _row(k, s) * _pair_decay(g, s)
 
-    return jax.lax.fori_loop(0, SUB, add, jnp.zeros(k.shape, f32))
+def _rev_sum(x: Array) -> Array:
+    """sum_{r >= t} x[r] for each row t of a [16, D] block (a 0/1 dot: a direct sum)."""
+    return _mm(_ones(_iota(1) >= _iota(0)), x)
+
+
+def _excl_sum(x: Array) -> Array:
+    """sum_{s < t} x[s] for each row t of a [16, D] block."""
+    return _mm(_ones(_iota(1) < _iota(0)), x)
+
+
+def _diag_dq_dg(dA: Array, q: Array, k: Array, g: Array) -> tuple[Array, Array]:
+    """A diagonal sub-block's share of dq and dg (before ``scale``). dq row t sums dA[t, s] k[s]
+    e^{b_t - b_s} over s <= t; dg row t sums the pair terms q[r] dA[r, s] k[s] e^{b_r - b_s} over
+    s < t <= r. dA: [SUB, SUB] lower-triangular; q, k, g: [SUB, K]."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, q.shape, 0)
+
+    def add(s, carry):
+        dq, dg = carry
+        part = _col(dA, s) * _row(k, s) * _pair_decay(g, s)
+        return dq + part, dg + jnp.where(rows > s, _rev_sum(q * part), 0.0)
+
+    zero = jnp.zeros(q.shape, f32)
+    return jax.lax.fori_loop(0, SUB, add, (zero, zero))
 
 
 def _diag_dk(dA: Array, q: Array, g: Array) -> Array:
@@ -168,71 +196,101 @@ def _diag_dk(dA: Array, q: Array, g: Array) -> Array:
     return jax.lax.fori_loop(0, SUB, add, jnp.zeros(q.shape, f32))
 
 
+def _from_earlier(refs, base, i, do_i, qh, dgx, scale):
+    """Query sub-block i against the earlier key sub-blocks j < i of its chunk (starting at row
+    ``base``): (sum_j dA_ij (k_j e^{to start of i}) [16, K], ``dgx`` plus each pair of
+    sub-blocks' total on the whole sub-blocks strictly between them)."""
+    k_ref, v_ref, g_ref = refs
+    block_rows = jax.lax.broadcasted_iota(jnp.int32, dgx.shape, 0)
+
+    def earlier(jj, carry):
+        acc, gap, dgx = carry
+        j = i - 1 - jj
+        k_j, v_j, g_j = (_load(x, base + j * SUB) for x in (k_ref, v_ref, g_ref))
+        _, tail = _head_tail(g_j)
+        part = _mm(_mm(do_i, v_j, (1, 1)), k_j * tail * jnp.exp(gap))
+        pairs = scale * jnp.sum(qh * part, axis=0, keepdims=True)  # [1, K]: all pairs (i, j)
+        dgx = dgx + jnp.where((block_rows > j) & (block_rows < i), pairs, 0.0)
+        return acc + part, gap + jnp.sum(g_j, axis=0, keepdims=True), dgx
+
+    zero = jnp.zeros((1, qh.shape[1]), f32)
+    acc, _, dgx = jax.lax.fori_loop(0, i, earlier, (jnp.zeros(qh.shape, f32), zero, dgx))
+    return acc, dgx
+
+
+def _from_later(refs, j0, count, k_j, v_j, tail, dk, dv, scale, dtype):
+    """Key sub-block j (rows j0 ..) against the ``count`` query sub-blocks after it in its chunk:
+    dk and dv plus their shares."""
+    q_ref, g_ref, do_ref = refs
+
+    def later(ii, carry):  # query sub-block i = j+1+ii
+        dk, dv, gap = carry
+        q_i, g_i, do_i = (_load(x, j0 + (1 + ii) * SUB) for x in (q_ref, g_ref, do_ref))
+        head, _ = _head_tail(g_i)
+        qh = q_i * head
+        kt = tail * jnp.exp(gap)
+        A = scale * _mm(qh, k_j * kt, (1, 1))
+        dk = dk + scale * kt * _mm(_mm(do_i, v_j, (1, 1)), qh, (0, 0))
+        dv = dv + _mm(A, do_i, (0, 0), dtype)
+        return dk, dv, gap + jnp.sum(g_i, axis=0, keepdims=True)
+
+    dk, dv, _ = jax.lax.fori_loop(0, count, later, (dk, dv, jnp.zeros((1, k_j.shape[1]), f32)))
+    return dk, dv
+
+
 def _bwd_kernel(
-    q_ref, k_ref, v_ref, g_ref, st_ref, do_ref, dsT_ref, dq_ref, dk_ref, dv_ref, ds0_ref, *, scale, C, dtype
-):
-    """One (batch, head, value tile), chunks in reverse: dv, dS0 and this tile's share of dq, dk."""
+    q_ref, k_ref, v_ref, g_ref, st_ref, do_ref, dsT_ref,
+    dq_ref, dk_ref, dgq_ref, dgk_ref, dgx_ref, dv_ref, ds0_ref, *, scale, C, dtype,
+):  # fmt: skip
+    """One (batch, head, value tile), chunks in reverse: dv, dS0 and this tile's share of dq, dk
+    and dg (dgq: query-side sums inside each sub-block, dgk: key-side ones, dgx: one row per
+    sub-block for what reaches the whole sub-block)."""
     n_chunks, n = q_ref.shape[0] // C, C // SUB
     K = q_ref.shape[1]
-
-    def load(ref, start):
-        return ref[pl.ds(start, SUB), :].astype(f32)
+    block_rows = jax.lax.broadcasted_iota(jnp.int32, dgx_ref.shape[1:], 0)  # [NP, K]: sub-block index m
 
     def chunk(cc, dS):  # dS: gradient on the state at the end of chunk ci
         ci = n_chunks - 1 - cc
         S = st_ref[ci]
         base = ci * C
 
-        def rows(i, carry):  # dq of sub-block i, and the q-side of dS_prev
-            prefix, dS_acc = carry
+        def rows(i, carry):  # dq of sub-block i, the q-side of dS_prev and of dg
+            prefix, dS_acc, dgx = carry
             r0 = base + i * SUB
-            q_i, k_i, v_i, g_i, do_i = (load(x, r0) for x in (q_ref, k_ref, v_ref, g_ref, do_ref))
+            q_i, k_i, v_i, g_i, do_i = (_load(x, r0) for x in (q_ref, k_ref, v_ref, g_ref, do_ref))
             head, _ = _head_tail(g_i)
+            qh = q_i * head
             e_b = head * jnp.exp(prefix)
             dq_i = scale * e_b * _mm(do_i, S, (1, 1), dtype)
             dS_acc = dS_acc + _mm(q_i * (scale * e_b), do_i, (0, 0), dtype)
+            # pairs (r in i, s before the chunk) reach the whole sub-blocks m < i
+            dgx = dgx + jnp.where(block_rows < i, jnp.sum(q_i * dq_i, axis=0, keepdims=True), 0.0)
 
-            def earlier(jj, carry):
-                acc, gap = carry
-                j0 = base + (i - 1 - jj) * SUB
-                k_j, v_j, g_j = (load(x, j0) for x in (k_ref, v_ref, g_ref))
-                _, tail = _head_tail(g_j)
-                dA = _mm(do_i, v_j, (1, 1))
-                return acc + _mm(dA, k_j * tail * jnp.exp(gap)), gap + jnp.sum(g_j, axis=0, keepdims=True)
-
-            acc, _ = jax.lax.fori_loop(0, i, earlier, (jnp.zeros((SUB, K), f32), jnp.zeros((1, K), f32)))
+            acc, dgx = _from_earlier((k_ref, v_ref, g_ref), base, i, do_i, qh, dgx, scale)
             dq_i = dq_i + scale * head * acc
             dA = jnp.where(_iota(1) <= _iota(0), _mm(do_i, v_i, (1, 1)), 0.0)
+            dq_d, dg_d = _diag_dq_dg(dA, q_i, k_i, g_i)
+            dgq_ref[pl.ds(r0, SUB), :] = _rev_sum(q_i * dq_i) + scale * dg_d
+            dq_ref[pl.ds(r0, SUB), :] = dq_i + scale * dq_d
+            return prefix + jnp.sum(g_i, axis=0, keepdims=True), dS_acc, dgx
 
-            dq_i = dq_i + scale * _diag_dq(dA, k_i, g_i)
-            dq_ref[pl.ds(r0, SUB), :] = dq_i
-            return prefix + jnp.sum(g_i, axis=0, keepdims=True), dS_acc
+        zero = jnp.zeros((1, K), f32)
+        total, dS_acc, dgx = jax.lax.fori_loop(0, n, rows, (zero, jnp.zeros_like(dS), jnp.zeros(block_rows.shape, f32)))
 
-        total, dS_acc = jax.lax.fori_loop(0, n, rows, (jnp.zeros((1, K), f32), jnp.zeros_like(dS)))
-
-        def cols(jj, suffix):  # dk, dv of key sub-block j = n-1-jj
-            j0 = base + (n - 1 - jj) * SUB
-            q_j, k_j, v_j, g_j, do_j = (load(x, j0) for x in (q_ref, k_ref, v_ref, g_ref, do_ref))
+        def cols(jj, carry):  # dk, dv of key sub-block j = n-1-jj, and the k-side of dg
+            suffix, dgx = carry
+            j = n - 1 - jj
+            j0 = base + j * SUB
+            q_j, k_j, v_j, g_j, do_j = (_load(x, j0) for x in (q_ref, k_ref, v_ref, g_ref, do_ref))
             _, tail = _head_tail(g_j)
             to_end = tail * jnp.exp(suffix)  # e^{b_C - b_s}
             dk_j = to_end * _mm(v_j, dS, (1, 1), dtype)
+            # pairs (r after the chunk, s in j) reach the whole sub-blocks m > j
+            dgx = dgx + jnp.where(block_rows > j, jnp.sum(k_j * dk_j, axis=0, keepdims=True), 0.0)
             dv_j = _mm(k_j * to_end, dS, dtype=dtype)
 
-            def later(ii, carry):  # query sub-block i = j+1+ii
-                dk, dv, gap = carry
-                r0 = j0 + (1 + ii) * SUB
-                q_i, g_i, do_i = (load(x, r0) for x in (q_ref, g_ref, do_ref))
-                head, _ = _head_tail(g_i)
-                qh = q_i * head
-                kt = tail * jnp.exp(gap)
-                A = scale * _mm(qh, k_j * kt, (1, 1))
-                dA = _mm(do_i, v_j, (1, 1))
-                dk = dk + scale * kt * _mm(dA, qh, (0, 0))
-                dv = dv + _mm(A, do_i, (0, 0), dtype)
-                return dk, dv, gap + jnp.sum(g_i, axis=0, keepdims=True)
-
-            init = (dk_j, dv_j, jnp.zeros((1, K), f32))
-            dk_j, dv_j, _ = jax.lax.fori_loop(0, jj, later, init)  # the jj sub-blocks after j
+            dk_j, dv_j = _from_later((q_ref, g_ref, do_ref), j0, jj, k_j, v_j, tail, dk_j, dv_j, scale, dtype)
+            dgk_ref[pl.ds(j0, SUB), :] = _excl_sum(k_j * dk_j)
             A = _diag_scores(q_j, k_j, g_j, scale)
             dv_j = dv_j + _mm(A, do_j, (0, 0), dtype)
             dA = jnp.where(_iota(1) <= _iota(0), _mm(do_j, v_j, (1, 1)), 0.0)
@@ -240,9 +298,11 @@ def _bwd_kernel(
             dk_j = dk_j + scale * _diag_dk(dA, q_j, g_j)
             dk_ref[pl.ds(j0, SUB), :] = dk_j
             dv_ref[pl.ds(j0, SUB), :] = dv_j.astype(dv_ref.dtype)
-            return suffix + jnp.sum(g_j, axis=0, keepdims=True)
+            return suffix + jnp.sum(g_j, axis=0, keepdims=True), dgx
 
-        jax.lax.fori_loop(0, n, cols, jnp.zeros((1, K), f32))
+        _, dgx = jax.lax.fori_loop(0, n, cols, (zero, dgx))
+        # pairs straddling the whole chunk (s before it, r after it): e^{b_C} rowsum(S * dS)
+        dgx_ref[ci] = dgx + jnp.exp(total) * jnp.sum(S * dS, axis=1, keepdims=True).T
         return jnp.exp(total).T * dS + dS_acc
 
     ds0_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, dsT_ref[...].astype(f32))
@@ -296,36 +356,41 @@ def _gla_padded(q, k, v, g, s0, scale: float, C: int, BV: int, interpret: bool):
 
 def _vjp_fwd(q, k, v, g, s0, scale, C, BV, interpret):
     o, sT, starts = _forward(q, k, v, g, s0, scale, C, BV, interpret)
-    return (o, sT), (q, k, v, g, checkpoint_name(starts, "gla_states"), sT)
+    return (o, sT), (q, k, v, g, checkpoint_name(starts, "gla_states"))
 
 
 def _vjp_bwd(scale, C, BV, interpret, res, cot):
-    q, k, v, g, starts, sT = res
+    q, k, v, g, starts = res
     do, dsT = cot
     B, T, H, K = q.shape
-    V, N = v.shape[-1], T // C
+    V, N, n = v.shape[-1], T // C, C // SUB
+    NP = _next_pow2(n)  # one row per sub-block, padded to a power of two
     keys, vals, state, states, part = _specs(T, K, BV, N)
     n_tiles = V // BV
+    rows = pl.BlockSpec((pl.squeezed,) * 3 + (N, NP, K), lambda b, h, j: (j, b, h, 0, 0, 0))
     kernel = functools.partial(_bwd_kernel, scale=scale, C=C, dtype=q.dtype)
-    dq, dk, dv, ds0 = pl.pallas_call(
+    per_tile = jax.ShapeDtypeStruct((n_tiles, B, T, H, K), f32)
+    dq, dk, dgq, dgk, dgx, dv, ds0 = pl.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((n_tiles, B, T, H, K), f32),
-            jax.ShapeDtypeStruct((n_tiles, B, T, H, K), f32),
+            per_tile,
+            per_tile,
+            per_tile,
+            per_tile,
+            jax.ShapeDtypeStruct((n_tiles, B, H, N, NP, K), f32),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct((B, H, K, V), f32),
         ),
         grid=(B, H, n_tiles),
         in_specs=[keys, keys, vals, keys, states, vals, state],
-        out_specs=(part, part, vals, state),
+        out_specs=(part, part, part, part, rows, vals, state),
         interpret=interpret,
         compiler_params=_compiler_params(interpret),
         name="gla_bwd",
     )(q, k, v, g, starts, do.astype(v.dtype), dsT.astype(f32))
-    dq, dk = jnp.sum(dq, axis=0), jnp.sum(dk, axis=0)
-    dG = q.astype(f32) * dq - k.astype(f32) * dk
-    final = jnp.sum(sT * dsT.astype(f32), axis=-1)[:, None]  # [B, 1, H, K]: the final state's own decay
-    dg = jnp.flip(jnp.cumsum(jnp.flip(dG, 1), axis=1), 1) + final
+    dq, dk, dgq, dgk, dgx = (jnp.sum(x, axis=0) for x in (dq, dk, dgq, dgk, dgx))
+    whole = jnp.repeat(dgx[:, :, :, :n], SUB, axis=3).reshape(B, H, T, K).transpose(0, 2, 1, 3)
+    dg = dgq + dgk + whole
     return dq.astype(q.dtype), dk.astype(k.dtype), dv, dg.astype(g.dtype), ds0
 
 
