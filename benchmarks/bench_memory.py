@@ -134,11 +134,12 @@ def decode_report(config: str, width: int, weights_dtype: str, compute_dtype: st
     import dataclasses
 
     from laplace_jax.config import load_config_file, model_config
-    from laplace_jax.models.gla_lm import abstract_params, decode_step, init_state
+    from laplace_jax.models.gla_lm import abstract_params, decode_step, init_state, pack_weights
 
     cfg = model_config(load_config_file(config))
     cfg = dataclasses.replace(cfg, dtype=compute_dtype or cfg.dtype)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(weights_dtype)), abstract_params(cfg))
+    params = jax.eval_shape(pack_weights, params)  # as serving places them
     state = jax.eval_shape(lambda: init_state(cfg, width))
     token = jax.ShapeDtypeStruct((width,), jnp.int32)
     step = jax.jit(lambda p, t, s: decode_step(cfg, p, t, s), donate_argnums=(2,))

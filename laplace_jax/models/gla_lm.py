@@ -34,6 +34,27 @@ REMAT_POLICIES = {
 State = dict[str, Array]
 
 
+def pack_weights(params: Params) -> Params:
+    """bf16 layer weights as their uint16 bits: the form in which ``prefill`` and ``decode_step``
+    run without a weight-sized copy. Pack once where the weights are placed (serving does).
+
+    XLA:CPU widens a bf16 array that is sliced inside a loop to f32 as a whole, and the
+    widening of the loop-invariant stack is hoisted out of the layer loop: an f32 copy of every
+    layer's weights at once (10.7 GiB of temporaries for the 3B decode step at W=256). Integer
+    bits are never widened; the model turns each layer's slice back into bf16 inside the loop.
+    A bitcast inside the jitted step would not help: it materialises a copy of its own."""
+    to_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x  # noqa: E731
+    return {**params, "layers": jax.tree.map(to_bits, params["layers"])}
+
+
+def _is_packed(params: Params) -> bool:
+    return any(x.dtype == jnp.uint16 for x in jax.tree.leaves(params["layers"]))
+
+
+def _unpack(variables: dict) -> dict:
+    return jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x, variables)
+
+
 class Block(nn.Module):
     """Pre-norm block: x += GLA(RMSNorm(x)); x += SwiGLU(RMSNorm(x))."""
 
@@ -63,6 +84,7 @@ class GLALM(nn.Module):
     """Embeddings -> n_layers scanned blocks -> RMSNorm -> LM head (untied unless tie_embeddings)."""
 
     cfg: ModelConfig
+    packed: bool = False  # bf16 layer weights passed as uint16 bits (``pack_weights``)
 
     @nn.compact
     def __call__(
@@ -73,6 +95,8 @@ class GLALM(nn.Module):
         table_VxD = Embedding(cfg.vocab_size, cfg.d_model, dt, cfg.init_std, name="embeddings")()
         x = constrain(jnp.take(table_VxD, tokens_BxT, axis=0), ("batch", "length", "act_embed"))
         block = Block if cfg.remat == "none" else nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat])
+        if self.packed:  # bf16 layer weights arrive as uint16 bits (pack_weights): one layer unpacked at a time
+            block = nn.map_variables(block, "params", trans_in_fn=_unpack)
         stack = nn.scan(
             block,
             variable_axes={"params": 0},
@@ -151,7 +175,7 @@ def _check_state(cfg: ModelConfig, state: State, batch: int) -> None:
 def forward(cfg: ModelConfig, params: Params, tokens_BxT: Array) -> Array:
     """Training / scoring forward pass: logits [B, T, V] float32 from a zero state."""
     _check_tokens(tokens_BxT, 2, "tokens")
-    logits, _ = GLALM(cfg).apply({"params": params}, tokens_BxT, None)
+    logits, _ = GLALM(cfg, _is_packed(params)).apply({"params": params}, tokens_BxT, None)
     return logits
 
 
@@ -167,12 +191,14 @@ def prefill(
     if state is None:
         state = init_state(cfg, tokens_BxT.shape[0])
     _check_state(cfg, state, tokens_BxT.shape[0])
-    return GLALM(cfg).apply({"params": params}, tokens_BxT, state, lengths_B)
+    params = pack_weights(params)
+    return GLALM(cfg, _is_packed(params)).apply({"params": params}, tokens_BxT, state, lengths_B)
 
 
 def decode_step(cfg: ModelConfig, params: Params, token_B: Array, state: State) -> tuple[Array, State]:
     """Advance every sequence by one token with the recurrent step: (logits [B, V], state)."""
     _check_tokens(token_B, 1, "token")
     _check_state(cfg, state, token_B.shape[0])
-    logits, state = GLALM(cfg).apply({"params": params}, token_B[:, None], state)
+    params = pack_weights(params)
+    logits, state = GLALM(cfg, _is_packed(params)).apply({"params": params}, token_B[:, None], state)
     return logits[:, 0], state

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from laplace_jax.config import ModelConfig
-from laplace_jax.models.gla_lm import decode_step, init_state, prefill
+from laplace_jax.models.gla_lm import decode_step, init_state, pack_weights, prefill
 from laplace_jax.sampling import sample_rows
 
 MAX_STOP_IDS = 16  # EOS + up to 15 stop_token_ids per request, checked on device
@@ -76,7 +76,7 @@ class DevicePrograms:
         self.D, self.S = len(devices), slots_per_device  # devices, slots per device
         self.prefill_chunk, self.steps_per_call = prefill_chunk, steps_per_call
         self.mesh = Mesh(np.asarray(devices), ("data",))
-        self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
+        self.params = jax.device_put(pack_weights(params), NamedSharding(self.mesh, P()))
         self.executables: dict[tuple[str, int], Any] = {}
         self.slots = self.new_slots()
         self.fresh = self._put_model(init_state(cfg, self.D))  # prefill's starting states, one per device
