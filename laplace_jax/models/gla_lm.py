@@ -52,7 +52,10 @@ def _is_packed(params: Params) -> bool:
 
 
 def _unpack(variables: dict) -> dict:
-    return jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x, variables)
+    """One layer's weights with uint16 bits (``pack_weights``) turned back into bf16."""
+    return jax.tree.map(
+        lambda x: jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x, variables
+    )
 
 
 class Block(nn.Module):
