@@ -17,6 +17,8 @@ import sys
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    from laplace_jax.platform import PRNG_IMPLS  # importing jax reads no XLA flags; backends start later
+
     ap = argparse.ArgumentParser(
         prog="python serve.py",
         description=__doc__.split("\n\n")[0],
@@ -54,6 +56,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         choices=["float32", "bfloat16", "float16"],
         help="dtype the weights are cast to once at load (default: the model's compute dtype; --exact: float32)",
+    )
+    ap.add_argument(
+        "--prng-impl",
+        default="auto",
+        choices=PRNG_IMPLS,
+        help="sampling keys: auto = rbg on Neuron (its threefry support is incomplete), threefry2x32 elsewhere",
     )
     ap.add_argument("--compile-cache-dir", default=None, help="persistent compile cache (JAX; Neuron's on Neuron)")
     ap.add_argument("--temperature", type=float, default=1.0, help="default sampling temperature")
@@ -120,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             max_queue=a.max_queue,
             metrics=ServeMetrics(),
             devices=local[: a.devices or len(local)],
+            prng=a.prng_impl,
         )
     except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

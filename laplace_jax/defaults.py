@@ -90,6 +90,7 @@ def base_config() -> config_dict.ConfigDict:
             max_nonfinite=5,  # stop after this many non-finite steps in a row
             peak_tflops=0.0,  # per-device peak for MFU; 0 = platform table (CPU: measured matmul)
             device_memory_gib=0.0,  # per-device memory for the fit check; 0 = query the device
+            prng_impl="auto",  # 'auto' (rbg on Neuron, threefry2x32 elsewhere), 'threefry2x32', 'rbg', 'unsafe_rbg'
         )
     )
     c.mesh = config_dict.ConfigDict(dict(data=1, fsdp=-1, rules=DEFAULT_RULES))

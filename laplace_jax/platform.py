@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import psutil
 
+from laplace_jax.errors import ConfigError
+
 # Dense (no sparsity) bf16 peak per JAX device in TFLOP/s, matched by a substring of
 # ``device_kind``, with where each figure comes from (README.md lists the same sources).
 PEAK_BF16_TFLOPS: dict[str, tuple[float, str]] = {
@@ -34,6 +36,31 @@ PEAK_BF16_TFLOPS: dict[str, tuple[float, str]] = {
 def on_gpu() -> bool:
     """Whether JAX's default backend is a GPU (CUDA or ROCm)."""
     return jax.default_backend() in ("gpu", "cuda", "rocm")
+
+
+def on_neuron() -> bool:
+    """Whether JAX's default backend is AWS Neuron (the jax-neuronx PJRT plugin, platform "neuron")."""
+    return jax.default_backend() == "neuron"
+
+
+# Typed-key implementations a config or ``serve.py --prng-impl`` may name; "auto" picks per backend.
+PRNG_IMPLS = ("auto", "threefry2x32", "rbg", "unsafe_rbg")
+
+
+def prng_impl(name: str = "auto") -> str:
+    """The PRNG implementation to use: ``name``, or for "auto" ``rbg`` on Neuron (its release notes
+    call threefry "not completely supported" and advise rbg) and ``threefry2x32`` (JAX's default)
+    elsewhere. Training and serving both take their keys from here."""
+    if name not in PRNG_IMPLS:
+        raise ConfigError(f"prng_impl must be one of {', '.join(PRNG_IMPLS)}; got {name!r}")
+    if name == "auto":
+        return "rbg" if on_neuron() else "threefry2x32"
+    return name
+
+
+def key_words(impl: str) -> int:
+    """uint32 words of one key's data: 2 for threefry2x32, 4 for rbg and unsafe_rbg."""
+    return 2 if impl == "threefry2x32" else 4
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:

@@ -90,3 +90,19 @@ def test_sampling_params_reject_out_of_range_values(field, value):
         SamplingParams(**{field: value}).check(vocab_size=256)
     assert e.value.param == field
     SamplingParams(top_k=256, seed=2**63 - 1, temperature=2.0, stop_token_ids=tuple(range(15))).check(256)
+
+
+def test_rbg_key_data_built_on_the_host_matches_jax():
+    for seed in (0, 5, 2**31 + 3):
+        want = jax.random.key_data(jax.random.key(seed, impl="rbg"))
+        np.testing.assert_array_equal(prng_key_data(seed, "rbg"), want)
+
+
+def test_prng_impl_setting():
+    from laplace_jax.errors import ConfigError
+    from laplace_jax.platform import prng_impl
+
+    assert prng_impl("auto") == "threefry2x32"  # CPU; rbg on Neuron
+    assert prng_impl("rbg") == "rbg"
+    with pytest.raises(ConfigError, match="prng_impl must be one of"):
+        prng_impl("rgb")

@@ -36,6 +36,7 @@ import numpy as np
 
 from laplace_jax.config import ModelConfig
 from laplace_jax.errors import InvalidParamError, QueueFullError
+from laplace_jax.platform import key_words, prng_impl
 from laplace_jax.serve.compiles import CompileCounter
 from laplace_jax.serve.programs import MAX_STOP_IDS, DevicePrograms
 
@@ -77,10 +78,12 @@ class SamplingParams:
             raise InvalidParamError("stop_token_ids", f"stop_token_ids must lie in [0, {vocab_size})")
 
 
-def prng_key_data(seed: int) -> np.ndarray:
-    """threefry2x32 key data of ``jax.random.key(seed)`` for 0 <= seed < 2^64, built on the host
-    (no device op, so nothing compiles per request): the high and low 32-bit words."""
-    return np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+def prng_key_data(seed: int, impl: str = "threefry2x32") -> np.ndarray:
+    """Key data of ``jax.random.key(seed, impl=impl)`` for 0 <= seed < 2^64, built on the host (no
+    device op, so nothing compiles per request): the high and low 32-bit words (threefry2x32),
+    twice over for rbg and unsafe_rbg (JAX seeds those from the threefry words)."""
+    words = [seed >> 32, seed & 0xFFFFFFFF]
+    return np.asarray(words * (key_words(impl) // 2), np.uint32)
 
 
 @dataclasses.dataclass(eq=False)
@@ -143,9 +146,12 @@ class Engine:
         max_queue: int = 64,
         metrics: ServeMetrics | None = None,
         devices: Sequence[jax.Device] | None = None,
+        prng: str = "auto",
     ):
         """``max_num_seqs``: decode slots per device; ``devices``: where slots live (default: the
-        first local device; ``serve.py`` passes all of them)."""
+        first local device; ``serve.py`` passes all of them); ``prng``: the sampling keys'
+        implementation (``platform.prng_impl``: "auto" is rbg on Neuron, threefry2x32 elsewhere)."""
+        self.prng_impl = prng_impl(prng)
         self.cfg, self.eos_id = cfg, eos_id
         self.slots_per_device, self.prefill_chunk, self.steps_per_call = max_num_seqs, prefill_chunk, steps_per_call
         self.max_model_len, self.max_queue = max_model_len, max_queue
@@ -168,7 +174,9 @@ class Engine:
         self._draining = False
         self._deadline = math.inf  # drain deadline (perf_counter): then every request ends with "shutdown"
         self._seeds = np.random.default_rng()
-        self.programs = DevicePrograms(cfg, params, self.devices, max_num_seqs, prefill_chunk, steps_per_call)
+        self.programs = DevicePrograms(
+            cfg, params, self.devices, max_num_seqs, prefill_chunk, steps_per_call, self.prng_impl
+        )
         self.state_bytes = self.programs.state_bytes
         if metrics is not None:
             metrics.set_devices(self.n_devices, self.slots_per_device)
@@ -365,7 +373,7 @@ class Engine:
             "temperature": np.float32(sp.temperature),
             "top_k": np.int32(sp.top_k),
             "top_p": np.float32(sp.top_p),
-            "key": prng_key_data(seed),
+            "key": prng_key_data(seed, self.prng_impl),
             "remaining": np.int32(sp.max_tokens - 1),
             "stop_ids": np.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), np.int32),
         }

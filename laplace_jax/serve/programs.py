@@ -27,20 +27,21 @@ from jax.sharding import PartitionSpec as P
 
 from laplace_jax.config import ModelConfig
 from laplace_jax.models.gla_lm import decode_step, init_state, pack_weights, prefill
+from laplace_jax.platform import key_words
 from laplace_jax.sampling import sample_rows
 
 MAX_STOP_IDS = 16  # EOS + up to 15 stop_token_ids per request, checked on device
 MODEL_SLOT_AXIS = 1  # state leaves are [L, slots, ...]
 
 
-def row_template() -> dict[str, tuple[tuple[int, ...], Any, Any]]:
-    """Per-slot sampling fields: name -> (shape, dtype, idle value)."""
+def row_template(prng: str) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
+    """Per-slot sampling fields: name -> (shape, dtype, idle value); ``prng``: the keys' implementation."""
     return {
         "token": ((), jnp.int32, 0),
         "temperature": ((), jnp.float32, 0.0),
         "top_k": ((), jnp.int32, 0),
         "top_p": ((), jnp.float32, 1.0),
-        "key": ((2,), jnp.uint32, 0),
+        "key": ((key_words(prng),), jnp.uint32, 0),
         "count": ((), jnp.int32, 0),
         "remaining": ((), jnp.int32, 0),
         "stop_ids": ((MAX_STOP_IDS,), jnp.int32, -1),
@@ -71,8 +72,9 @@ class DevicePrograms:
         slots_per_device: int,
         prefill_chunk: int,
         steps_per_call: int,
+        prng: str = "threefry2x32",
     ):
-        self.cfg = cfg
+        self.cfg, self.prng = cfg, prng
         self.D, self.S = len(devices), slots_per_device  # devices, slots per device
         self.prefill_chunk, self.steps_per_call = prefill_chunk, steps_per_call
         self.mesh = Mesh(np.asarray(devices), ("data",))
@@ -101,7 +103,7 @@ class DevicePrograms:
     def new_slots(self) -> dict:
         """Fresh slot buffers (every slot idle), sharded over the devices."""
         n = self.D * self.S
-        rows = {k: np.full((n, *shape), idle, dtype) for k, (shape, dtype, idle) in row_template().items()}
+        rows = {k: np.full((n, *shape), idle, dtype) for k, (shape, dtype, idle) in row_template(self.prng).items()}
         return {
             "model": self._put_model(init_state(self.cfg, n)),
             "rows": jax.device_put(rows, self._row_sharding()),
@@ -116,7 +118,7 @@ class DevicePrograms:
 
     def _insert(self, slots, state_D, logits_DxV, req_D, local_D):
         D = self.D
-        keys = jax.random.wrap_key_data(req_D["key"], impl="threefry2x32")
+        keys = jax.random.wrap_key_data(req_D["key"], impl=self.prng)
         first = sample_rows(
             logits_DxV,
             req_D["temperature"],
@@ -161,7 +163,7 @@ class DevicePrograms:
         def step(sub, _):
             r = sub["rows"]
             logits, model = decode_step(self.cfg, params, r["token"], sub["model"])
-            keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl="threefry2x32"), r["count"])
+            keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=self.prng), r["count"])
             tok = sample_rows(logits, r["temperature"], r["top_k"], r["top_p"], keys)
             valid = ~r["done"]
             tok = jnp.where(valid, tok, r["token"])
@@ -204,7 +206,7 @@ class DevicePrograms:
         logits = jax.ShapeDtypeStruct((D, V), jnp.float32, sharding=rows)
         ints = jax.ShapeDtypeStruct((D,), jnp.int32, sharding=rows)
         tokens = jax.ShapeDtypeStruct((D, self.prefill_chunk), jnp.int32, sharding=rows)
-        tpl = row_template()
+        tpl = row_template(self.prng)
         req = {k: jax.ShapeDtypeStruct((D, *tpl[k][0]), tpl[k][1], sharding=rows) for k in REQUEST_FIELDS}
         slots = self._abstract_slots()
         out = [
@@ -252,7 +254,7 @@ class DevicePrograms:
     def insert(self, state, logits, requests: dict[int, tuple[int, dict]]) -> np.ndarray:
         """Write device d's prefilled row into its local slot ``requests[d][0]`` with sampling row
         ``requests[d][1]``; returns the first sampled token per device [D]."""
-        D, tpl = self.D, row_template()
+        D, tpl = self.D, row_template(self.prng)
         req = {k: np.full((D, *tpl[k][0]), tpl[k][2], tpl[k][1]) for k in REQUEST_FIELDS}
         local = np.full((D,), -1, np.int32)
         for d, (slot, row) in requests.items():

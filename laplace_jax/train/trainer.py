@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from laplace_jax.config import model_config
 from laplace_jax.errors import UserError
 from laplace_jax.models.gla_lm import abstract_params, count_params, init_params
+from laplace_jax.platform import prng_impl
 from laplace_jax.sharding import AXES, batch_sharding, make_mesh, param_shardings, param_specs, replicated, rules
 from laplace_jax.train.step import eval_step, init_state, make_optimizer, train_step
 
@@ -80,6 +81,7 @@ class Trainer:
     def __init__(self, config: Any, devices: list | None = None):
         self.config = config
         self.model_cfg = model_config(config)
+        self.prng_impl = prng_impl(config.train.prng_impl)  # a typo fails here, before anything compiles
         t, micro = config.train, self._micro_batch(config)
         self.steps = int(t.steps)
         self.mesh = make_mesh(config.mesh, devices)
@@ -133,7 +135,7 @@ class Trainer:
     def init(self, seed: int) -> dict:
         """A fresh state: parameters from ``seed``, created directly in their shardings."""
         init = jax.jit(lambda k: init_params(self.model_cfg, k), out_shardings=self.param_shardings)
-        return self._init_fn(init(jax.random.key(seed)))
+        return self._init_fn(init(jax.random.key(seed, impl=self.prng_impl)))
 
     def batch(self, rows: np.ndarray) -> jax.Array:
         """This process's rows of a global batch [global_batch / processes, seq + 1] as the step's input."""
