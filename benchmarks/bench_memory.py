@@ -4,6 +4,7 @@
     python -m benchmarks.bench_memory step --config configs/gla_340m.py --batch 16 --seq 2048 \\
         --dtype bfloat16 --remat none full save_dots save_gla [--time-batch 1] --out results.json
     python -m benchmarks.bench_memory decode --config configs/3b.py --width 256 [--weights-dtype bfloat16]
+    python -m benchmarks.bench_memory sampler --config configs/3b.py --width 256
 
 Both read XLA's ``memory_analysis()`` (temporaries, arguments, outputs) and ``cost_analysis()``
 (FLOPs, bytes accessed) of executables compiled from abstract inputs, so anyone can check memory
@@ -166,6 +167,42 @@ def decode_report(config: str, width: int, weights_dtype: str, compute_dtype: st
     }
 
 
+def sampler_report(config: str, width: int, prng: str) -> dict:
+    """The serving sampler at W rows of the config's vocabulary (compiled cost analysis) against
+    the bf16 decode step's minimum traffic (weights read once, state read and written once)."""
+    from laplace_jax.config import load_config_file, model_config
+    from laplace_jax.models.gla_lm import abstract_params, init_state
+    from laplace_jax.sampling import sample_rows
+
+    cfg = model_config(load_config_file(config))
+    V = cfg.vocab_size
+    rows = lambda dt: jax.ShapeDtypeStruct((width,), dt)  # noqa: E731
+    key_data = jax.ShapeDtypeStruct((width, 2 if prng == "threefry2x32" else 4), jnp.uint32)
+
+    def sample(logits, temperature, top_k, top_p, kd):  # as the decode program calls it
+        keys = jax.random.wrap_key_data(kd, impl=prng)
+        return sample_rows(logits, temperature, top_k, top_p, keys)
+
+    args = (jax.ShapeDtypeStruct((width, V), jnp.float32), rows(jnp.float32), rows(jnp.int32), rows(jnp.float32))
+    cost = jax.jit(sample).lower(*args, key_data).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    state = jax.eval_shape(lambda: init_state(cfg, width))
+    step_min = nbytes(abstract_params(cfg)) // 2 + 2 * nbytes(state)  # bf16 weights
+    step_flops = 2 * sum(x.size for x in jax.tree.leaves(abstract_params(cfg))) * width
+    return {
+        "config": config,
+        "width": width,
+        "prng": prng,
+        "sampler_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "sampler_flops": float(cost.get("flops", 0.0)),
+        "decode_min_bytes": step_min,
+        "decode_matmul_flops": step_flops,
+        "share_of_bytes": float(cost.get("bytes accessed", 0.0)) / step_min,
+        "share_of_flops": float(cost.get("flops", 0.0)) / step_flops,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -189,7 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--width", type=int, nargs="+", default=[256])
     d.add_argument("--weights-dtype", default="bfloat16")
     d.add_argument("--compute-dtype", default=None, help="override model.dtype (default: the config's)")
-    for p in (k, s, d):
+    sm = sub.add_parser("sampler", help="the serving sampler's share of a decode step (cost analysis)")
+    sm.add_argument("--config", required=True)
+    sm.add_argument("--width", type=int, default=256)
+    sm.add_argument("--prng", nargs="+", default=["threefry2x32", "rbg"])
+    for p in (k, s, d, sm):
         p.add_argument("--out", default=None, help="write the JSON result here")
     a = ap.parse_args(argv)
     res = {"device": jax.devices()[0].device_kind, "host": host.processor() or host.machine(), "jax": jax.__version__}
@@ -212,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{w:>6} {r['weights_bytes'] / 1e9:>10.2f} {r['state_bytes'] / 1e9:>8.2f} {r['min_bytes'] / 1e9:>6.2f} "
                 f"{r['bytes_accessed'] / 1e9:>11.2f} {r['bytes_over_min']:>6.3f} {r['temporaries_bytes'] / GiB:>9.3f}",
                 flush=True,
+            )
+    elif a.what == "sampler":
+        res["sampler"] = [sampler_report(a.config, a.width, prng) for prng in a.prng]
+        for r in res["sampler"]:
+            print(
+                f"sampler W={r['width']} {r['prng']}: {r['sampler_bytes_accessed'] / 1e9:.3f} GB = "
+                f"{100 * r['share_of_bytes']:.1f}% of the decode step's {r['decode_min_bytes'] / 1e9:.2f} GB; "
+                f"{r['sampler_flops'] / 1e9:.2f} GFLOP = {100 * r['share_of_flops']:.2f}% of its matmul FLOPs"
             )
     else:
         res.update(config=a.config, batch=a.batch, seq=a.seq, dtype=a.dtype, policies=[])

@@ -86,6 +86,15 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"{r['impls']['chunk128']['fwd_bwd_speedup_over_recurrent']:.1f}x"),
     ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"{r['matmul_peak_flops'] / 1e9:.0f} GFLOP/s"),
     ("BENCHMARKS.md", "decode_memory_3b_fp32.json", _decode(256)),
+    *(
+        ("BENCHMARKS.md", f, lambda r, i=i: f"| {r['sampler'][i]['sampler_bytes_accessed'] / 1e9:.3f} GB |")
+        for f in ("sampler_3b.json", "sampler_3b_before.json")
+        for i in (0, 1)
+    ),
+    ("README.md", "sampler_3b.json", lambda r: f"{100 * r['sampler'][0]['share_of_bytes']:.1f}% of the decode step"),
+    ("BENCHMARKS.md", "muon_3b.json", lambda r: f"| {r['float32']['ns_busiest_over_mean']:.3f} | "),
+    ("BENCHMARKS.md", "muon_3b.json", lambda r: f"| {r['float32']['ns_executed_over_mean']:.3f} |"),
+    ("README.md", "muon_3b.json", lambda r: f"{r['float32']['ns_executed_over_mean']:.3f}x the mean NS FLOPs"),
     ("BENCHMARKS.md", "decode_memory_3b_bf16.json", lambda r: f"| **{_decode(256)(r)}** | 7.55 GB |"),
     ("README.md", "decode_memory_3b_bf16.json", _decode(256)),
     ("BENCHMARKS.md", "decode_memory_3b_bf16.json", lambda r: f"| {_decode(1)(r)} | 0.03 GB |"),

@@ -197,3 +197,7 @@ def test_plan_is_balanced_for_3b():
     loads = plan.rank_flops()
     assert max(loads) / (sum(loads) / 64) <= 1.25
     assert sorted(set(plan.owner)) == list(range(64))
+    # one program for all ranks: each shape group takes ceil(count / 64) slots, no more
+    slots = {shape: len(per_rank[0]) for shape, per_rank in plan.slots().items()}
+    assert slots == {(3072, 3072, 0): 2, (3072, 1536, 0): 1, (3072, 8192, 0): 1, (8192, 3072, 0): 1}
+    assert plan.executed_flops() / (sum(loads) / 64) <= 1.8  # 72 square matrices take 2 slots on all 64 ranks

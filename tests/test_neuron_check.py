@@ -29,20 +29,17 @@ def test_every_known_issue_is_found_even_when_nested():
     assert _primitives(lambda x: x.astype(jnp.complex64), x)
 
 
-def test_model_programs_are_clean_on_tiny_and_3b(capsys):
-    """init, forward, prefill and decode have no finding; what remains is reported, not hidden:
-    the distributed Newton-Schulz's lax.switch over owner ranks and the sampler's float sort."""
+def test_every_program_is_clean_on_tiny_and_3b(capsys):
+    """The train step (Muon's Newton-Schulz runs one program on every rank, no lax.switch),
+    init, forward, prefill, decode and the sampler (lax.top_k, no sort): no finding, exit 0."""
+    import json
+
     for config in ("configs/tiny.py", "configs/3b.py"):
         code = neuron_check.main(["--config", config, "--devices", "8", "--json"])
-        out = capsys.readouterr().out
-        import json
-
-        found = json.loads(out)
-        for program in ("init", "forward", "prefill", "decode"):
-            assert found[program] == [], (config, program, found[program])
-        assert code == (1 if any(found.values()) else 0)
-        assert [f["primitive"] for f in found["train_step"]] == ["cond"]
-        assert "newton_schulz.py" in found["train_step"][0]["where"]
+        found = json.loads(capsys.readouterr().out)
+        assert set(found) == {"train_step", "init", "forward", "prefill", "decode", "sampling"}
+        assert all(v == [] for v in found.values()), (config, found)
+        assert code == 0
 
 
 def test_threefry_is_reported_where_it_is_used(capsys):

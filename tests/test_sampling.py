@@ -106,3 +106,29 @@ def test_prng_impl_setting():
     assert prng_impl("rbg") == "rbg"
     with pytest.raises(ConfigError, match="prng_impl must be one of"):
         prng_impl("rgb")
+
+
+def test_large_vocab_limits_act_on_the_candidates_and_unlimited_rows_see_every_token():
+    """V = 4096 > CANDIDATES: top-k and top-p draws stay in their exact sets; a row with neither
+    limit draws tokens outside the 1,024 candidates too (nearly flat logits)."""
+    from laplace_jax.sampling import CANDIDATES
+
+    V, n = 4096, 512
+    logits = np.random.default_rng(0).standard_normal(V).astype(np.float32) * 0.1
+    order = np.argsort(-logits)
+    rows = lambda x, dt: jnp.full((n,), x, dt)  # noqa: E731
+    keys = jax.random.split(jax.random.key(1), n)
+    L = jnp.broadcast_to(jnp.asarray(logits), (n, V))
+    top_k = np.asarray(sample_rows(L, rows(1.0, jnp.float32), rows(1000, jnp.int32), rows(1.0, jnp.float32), keys))
+    assert set(top_k) <= set(order[:1000].tolist())
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    mass_before = np.cumsum(probs[order]) - probs[order]
+    nucleus = set(order[mass_before < 0.1].tolist())
+    assert len(nucleus) < CANDIDATES
+    top_p = np.asarray(sample_rows(L, rows(1.0, jnp.float32), rows(0, jnp.int32), rows(0.1, jnp.float32), keys))
+    assert set(top_p) <= nucleus
+    free = np.asarray(sample_rows(L, rows(1.0, jnp.float32), rows(0, jnp.int32), rows(1.0, jnp.float32), keys))
+    assert len(set(free) - set(order[:CANDIDATES].tolist())) > 100
+    with pytest.raises(InvalidParamError, match="top_k must lie in"):
+        SamplingParams(top_k=CANDIDATES + 1).check(vocab_size=V)

@@ -81,6 +81,9 @@ def muon_comm_report(cfg: ModelConfig, n_devices: int, comm_dtype: Any = None, n
         "ns_flops_busiest_rank": max(loads),
         "ns_flops_mean_rank": sum(loads) / n_devices,
         "ns_busiest_over_mean": max(loads) / (sum(loads) / n_devices),
+        # every rank runs every group's slots (one program, no branch on the rank), padding included
+        "ns_flops_executed_per_rank": plan.executed_flops() * ns_steps,
+        "ns_executed_over_mean": plan.executed_flops() * ns_steps / (sum(loads) / n_devices),
     }
 
 
@@ -97,6 +100,7 @@ def format_comm_report(r: dict[str, Any]) -> str:
         ("reduction vs baseline", f"{r['reduction_vs_gather']:.1f}x"),
         ("NS FLOPs / step (all ranks)", f"{r['ns_flops_total']:.3g}"),
         ("NS FLOPs busiest / mean rank", f"{r['ns_busiest_over_mean']:.3f}"),
+        ("NS FLOPs run per rank / mean", f"{r['ns_executed_over_mean']:.3f} (padding slots of the one program)"),
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

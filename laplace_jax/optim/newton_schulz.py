@@ -4,9 +4,15 @@ Every Muon matrix of every layer goes into one flat list. Each matrix gets an ow
 (greedy longest-processing-time on NS FLOPs). Ranks hold 1/N of every matrix: a block of rows
 or of columns, whichever axis the parameter is sharded on. All-to-all #1 sends every rank's
 block of each matrix to its owner, owners run NS on whole matrices, all-to-all #2 returns each
-rank its block of every result. The
-per-owner buffer layouts are static; the owner's work is selected with ``lax.switch`` on the
-axis index so all ranks run one SPMD program. N = 1 is the same code without collectives.
+rank its block of every result.
+
+Every rank runs the same program, with no branch on the rank (Neuron has no ``lax.cond`` or
+``switch``): matrices are grouped by shape, and for each group every rank works through the
+same number of slots, k_g = the most matrices of that group any rank owns. A rank's slots
+pick its own matrices from the received buffer through a static offset table indexed by the
+axis index; slots it does not need read zeros and write to a scratch tail. The owners are
+assigned with at most ceil(count_g / N) matrices of a group per rank, which makes k_g as small
+as it can be. N = 1 is the same code without collectives.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -70,24 +77,47 @@ class Plan:
         return [i for i, o in enumerate(self.owner) if o == rank]
 
     def rank_flops(self) -> list[float]:
+        """NS FLOPs (per iteration) of the matrices each rank owns."""
         out = [0.0] * self.n_ranks
         for i, o in enumerate(self.owner):
             out[o] += self.flops[i]
         return out
 
+    def slots(self) -> dict[tuple[int, int, int], list[list[int]]]:
+        """(rows, cols, split) -> per rank, the matrices it owns in that group, padded with -1 to
+        the group's slot count (the most any rank owns)."""
+        groups: dict[tuple[int, int, int], list[list[int]]] = {}
+        for i, ((m, n), ax, o) in enumerate(zip(self.shapes, self.split, self.owner, strict=True)):
+            groups.setdefault((m, n, ax), [[] for _ in range(self.n_ranks)])[o].append(i)
+        for per_rank in groups.values():
+            k = max(len(x) for x in per_rank)
+            for x in per_rank:
+                x += [-1] * (k - len(x))
+        return groups
+
+    def executed_flops(self) -> float:
+        """NS FLOPs (per iteration) every rank runs: each group's slots, padding included."""
+        return sum(len(per_rank[0]) * ns_flops(*shape[:2]) for shape, per_rank in self.slots().items())
+
 
 def make_plan(shapes: Sequence[tuple[int, int]], n_ranks: int, split: Sequence[int] | None = None) -> Plan:
-    """Greedy LPT: matrices by decreasing NS FLOPs, each to the currently least-loaded rank."""
+    """Greedy LPT: matrices by decreasing NS FLOPs, each to the currently least-loaded rank that
+    holds fewer than ceil(count / N) of its shape group (so no group needs more slots than that)."""
     split = tuple(split) if split is not None else (0,) * len(shapes)
     up = lambda d: math.ceil(d / n_ranks) * n_ranks  # noqa: E731
     padded = tuple((up(m), n) if ax == 0 else (m, up(n)) for (m, n), ax in zip(shapes, split, strict=True))
     flops = tuple(ns_flops(m, n) for m, n in shapes)
+    group = [(*p, ax) for p, ax in zip(padded, split, strict=True)]
+    cap = {g: math.ceil(group.count(g) / n_ranks) for g in set(group)}
+    held = {g: [0] * n_ranks for g in cap}
     load = [0.0] * n_ranks
     owner = [0] * len(shapes)
     for i in sorted(range(len(shapes)), key=lambda i: (-flops[i], i)):
-        r = min(range(n_ranks), key=lambda r: (load[r], r))
+        g = group[i]
+        r = min((r for r in range(n_ranks) if held[g][r] < cap[g]), key=lambda r: (load[r], r))
         owner[i] = r
         load[r] += flops[i]
+        held[g][r] += 1
     offset = [0] * len(shapes)
     used = [0] * n_ranks
     for i, (m, n) in enumerate(padded):
@@ -118,6 +148,32 @@ def _exchange(buf_NxS: Array, axis_name: str | None, n_ranks: int) -> Array:
     return jax.lax.all_to_all(buf_NxS, axis_name, 0, 0, tiled=True).astype(jnp.float32)
 
 
+def _owned_results(
+    recv_NxS: Array, plan: Plan, me: Array | int, coeffs: Sequence[float], steps: int | Array, eps: float
+) -> Array:
+    """NS of the matrices rank ``me`` owns, from the received [N, S] buffer (row r: rank r's blocks),
+    as the [N, S] buffer to send back. The same program on every rank: each shape group's slots
+    read this rank's offsets from a static table (a -1 slot reads zeros and writes to a tail)."""
+    N, S = plan.n_ranks, plan.segment
+    tail = max(m * n // N for m, n in plan.shapes)
+    out = jnp.zeros((N, S + tail), jnp.float32)
+    for (m, n, ax), per_rank in plan.slots().items():
+        size = m * n // N
+        table = np.asarray([[plan.offset[i] if i >= 0 else -1 for i in row] for row in per_rank], np.int32)
+        offsets = jnp.asarray(table)[me]  # [k]: this rank's offsets in the group
+        valid = offsets >= 0
+        pieces = [jax.lax.dynamic_slice_in_dim(recv_NxS, jnp.maximum(o, 0), size, axis=1) for o in offsets]
+        if ax == 0:  # row blocks in rank order
+            whole = jnp.stack([p.reshape(m, n) for p in pieces])
+        else:  # column blocks in rank order
+            whole = jnp.stack([p.reshape(N, m, n // N).transpose(1, 0, 2).reshape(m, n) for p in pieces])
+        result = newton_schulz(jnp.where(valid[:, None, None], whole, 0.0), coeffs, steps, eps)
+        for r, o, ok in zip(result, offsets, valid, strict=True):
+            piece = r.reshape(N, size) if ax == 0 else r.reshape(m, N, n // N).transpose(1, 0, 2).reshape(N, size)
+            out = jax.lax.dynamic_update_slice_in_dim(out, piece, jnp.where(ok, o, S), axis=1)
+    return out[:, :S]
+
+
 def distributed_newton_schulz(
     blocks: list[Array],
     plan: Plan,
@@ -144,36 +200,8 @@ def distributed_newton_schulz(
         by_owner.setdefault(plan.owner[i], []).append(blk.astype(f32))
     received = _exchange(_pack(by_owner, N, S, wire), axis_name, N)  # row r: rank r's blocks of the matrices I own
 
-    def owner_branch(rank: int):
-        def run(recv_NxS: Array) -> Array:
-            mine = plan.matrices_of(rank)
-            groups: dict[tuple[int, int, int], list[int]] = {}
-            for i in mine:
-                groups.setdefault((*plan.shapes[i], plan.split[i]), []).append(i)
-            out = jnp.zeros((N, S), f32)
-            for (m, n, ax), idx in groups.items():
-                size = m * n // N
-                pieces = [jax.lax.dynamic_slice_in_dim(recv_NxS, plan.offset[i], size, axis=1) for i in idx]
-                if ax == 0:  # row blocks in rank order
-                    whole = jnp.stack([p.reshape(m, n) for p in pieces])
-                else:  # column blocks in rank order
-                    whole = jnp.stack([p.reshape(N, m, n // N).transpose(1, 0, 2).reshape(m, n) for p in pieces])
-                result = newton_schulz(whole, coeffs, steps, eps)  # [len(idx), m, n]
-                for j, i in enumerate(idx):
-                    r = result[j]
-                    piece = (
-                        r.reshape(N, size) if ax == 0 else r.reshape(m, N, n // N).transpose(1, 0, 2).reshape(N, size)
-                    )
-                    out = jax.lax.dynamic_update_slice_in_dim(out, piece, plan.offset[i], axis=1)
-            return out.astype(wire)
-
-        return run
-
-    if N == 1:
-        results = owner_branch(0)(received)
-    else:
-        me = jax.lax.axis_index(axis_name)
-        results = jax.lax.switch(me, [owner_branch(r) for r in range(N)], received)
+    me = jax.lax.axis_index(axis_name) if N > 1 else 0
+    results = _owned_results(received, plan, me, coeffs, steps, eps).astype(wire)
     # All-to-all #2: row o now holds my blocks of the results of the matrices rank o owns.
     returned = _exchange(results, axis_name, N)
     out = []

@@ -37,6 +37,7 @@ import numpy as np
 from laplace_jax.config import ModelConfig
 from laplace_jax.errors import InvalidParamError, QueueFullError
 from laplace_jax.platform import key_words, prng_impl
+from laplace_jax.sampling import CANDIDATES
 from laplace_jax.serve.compiles import CompileCounter
 from laplace_jax.serve.programs import MAX_STOP_IDS, DevicePrograms
 
@@ -68,8 +69,9 @@ class SamplingParams:
             )
         if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise InvalidParamError("top_p", f"top_p must lie in (0, 1]; got {self.top_p}")
-        if not 0 <= self.top_k <= vocab_size:
-            raise InvalidParamError("top_k", f"top_k must lie in [0, {vocab_size}] (0 = off); got {self.top_k}")
+        top_k_max = min(vocab_size, CANDIDATES)
+        if not 0 <= self.top_k <= top_k_max:
+            raise InvalidParamError("top_k", f"top_k must lie in [0, {top_k_max}] (0 = off); got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise InvalidParamError("seed", f"seed must lie in [0, 2^63 - 1]; got {self.seed}")
         if len(self.stop_token_ids) > MAX_STOP_IDS - 1:
