@@ -39,8 +39,18 @@ from benchmarks.common import write_result
 GiB = 2**30
 
 
-def kernel_report(B: int, T: int, H: int, K: int, V: int, chunk_size: int = 128) -> dict:
-    from laplace_jax.ops.gla import chunk_gla
+def kernel_report(B: int, T: int, H: int, K: int, V: int, chunk_size: int = 128, baseline: str | None = None) -> dict:
+    """``baseline``: another version's ``ops/gla.py`` defining ``chunk_gla`` (e.g. 79ee48b, the
+    autodiff'd kernel), measured instead of this one."""
+    if baseline:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("gla_baseline", baseline)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        chunk_gla = module.chunk_gla
+    else:
+        from laplace_jax.ops.gla import chunk_gla
 
     bf16, f32 = jnp.bfloat16, jnp.float32
     args = [jax.ShapeDtypeStruct((B, T, H, K), bf16)] * 2 + [jax.ShapeDtypeStruct((B, T, H, V), bf16)]
@@ -209,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("kernel", help="jax.grad(chunk_gla) at one layer's shape")
     for name, default in (("B", 4), ("T", 4096), ("H", 16), ("K", 96), ("V", 192), ("chunk-size", 128)):
         k.add_argument(f"--{name}", type=int, default=default)
+    k.add_argument("--baseline", default=None, help="another version's ops/gla.py (with its own chunk_gla)")
     s = sub.add_parser("step", help="a config's train step for each remat policy")
     s.add_argument("--config", required=True)
     s.add_argument("--batch", type=int, default=16)
@@ -235,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     res = {"device": jax.devices()[0].device_kind, "host": host.processor() or host.machine(), "jax": jax.__version__}
     if a.what == "kernel":
-        r = kernel_report(a.B, a.T, a.H, a.K, a.V, a.chunk_size)
+        r = kernel_report(a.B, a.T, a.H, a.K, a.V, a.chunk_size, a.baseline)
         res["kernel"] = r
         print(
             f"jax.grad(chunk_gla) {r['shape']}: temporaries {r['temporaries_bytes'] / GiB:.3f} GiB = "

@@ -33,6 +33,11 @@ def _roofline(config: str, width: int, key: str, fmt: str) -> Callable[[dict], s
 _VS_RECURRENT = "vs_jax_grad_recurrent_max"
 
 
+def _kernel_memory(r: dict, sep: str) -> str:
+    """ "11.0 GiB (29x" / "11.0 GiB, 29x": a kernel report's temporaries and their ratio to I/O."""
+    return f"{r['kernel']['temporaries_bytes'] / GiB:.1f} GiB{sep}{r['kernel']['temporaries_over_io']:.0f}x"
+
+
 def _sci(x: float) -> str:
     """1.2e-7 style (the way the README writes small errors)."""
     mantissa, exp = f"{x:.1e}".split("e")
@@ -86,6 +91,9 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"{r['impls']['chunk128']['fwd_bwd_speedup_over_recurrent']:.1f}x"),
     ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"{r['matmul_peak_flops'] / 1e9:.0f} GFLOP/s"),
     ("BENCHMARKS.md", "decode_memory_3b_fp32.json", _decode(256)),
+    ("BENCHMARKS.md", "plan_3b.json", lambda r: f"chunk FLOPs = {r['flops_per_token']:.2e}".replace("e+", "e")),
+    ("README.md", "memory_kernel_3b_layer_autodiff.json", lambda r: f"needed {_kernel_memory(r, ' (')})"),
+    ("BENCHMARKS.md", "memory_kernel_3b_layer_autodiff.json", lambda r: f"before: {_kernel_memory(r, ', ')})"),
     *(
         ("BENCHMARKS.md", f, lambda r, i=i: f"| {r['sampler'][i]['sampler_bytes_accessed'] / 1e9:.3f} GB |")
         for f in ("sampler_3b.json", "sampler_3b_before.json")
@@ -163,8 +171,87 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
 ]
 
 
+# (document, result JSON) -> the headings of the sections allowed to quote its figures
+LOCATIONS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("BENCHMARKS.md", "decay_sweep.json"): ("### Gate gradient across decays",),
+    ("BENCHMARKS.md", "decode_memory_3b_bf16.json"): (
+        "### Decode step memory in the serving configuration (bf16 weights and compute)",
+    ),
+    ("BENCHMARKS.md", "decode_memory_3b_bf16w_fp32c.json"): (
+        "### Decode step memory in the serving configuration (bf16 weights and compute)",
+    ),
+    ("BENCHMARKS.md", "decode_memory_3b_fp32.json"): (
+        "### Decode step memory (3B, W=256, compiled on CPU, nothing allocated)",
+    ),
+    ("BENCHMARKS.md", "decode_memory_3b_fp32_before.json"): (
+        "### Decode step memory (3B, W=256, compiled on CPU, nothing allocated)",
+    ),
+    ("BENCHMARKS.md", "decode_memory_3b_fp32w_bf16c.json"): (
+        "### Decode step memory in the serving configuration (bf16 weights and compute)",
+    ),
+    ("BENCHMARKS.md", "gla_cpu.json"): ("## GLA kernel (`chunk_gla`)",),
+    ("BENCHMARKS.md", "memory_kernel_3b_layer.json"): ("### Kernel memory",),
+    ("BENCHMARKS.md", "memory_kernel_3b_layer_autodiff.json"): ("### Kernel memory",),
+    ("BENCHMARKS.md", "muon_3b.json"): ("## Distributed Muon (3B, 64 ranks, read from compiled HLO)",),
+    ("BENCHMARKS.md", "plan_3b.json"): (
+        "## 3B training plan (64 fake devices, nothing allocated)",
+        "## Distributed Muon (3B, 64 ranks, read from compiled HLO)",
+        "### Time and cost of the whole run (printed by `--plan`)",
+    ),
+    ("BENCHMARKS.md", "sampler_3b.json"): (
+        "### The sampler's share of a decode step (3B, W=256, compiled cost analysis)",
+    ),
+    ("BENCHMARKS.md", "sampler_3b_before.json"): (
+        "### The sampler's share of a decode step (3B, W=256, compiled cost analysis)",
+    ),
+    ("BENCHMARKS.md", "serve_cpu_8dev.json"): ("### Decode against the bandwidth roofline, and 8 devices",),
+    ("BENCHMARKS.md", "serve_cpu_roofline.json"): ("### Decode against the bandwidth roofline, and 8 devices",),
+    ("BENCHMARKS.md", "serve_cpu_tiny.json"): ("## Serving (tiny model, random weights, CPU)",),
+    ("BENCHMARKS.md", "soak_cpu_tiny.json"): ("## Serving soak (tiny model, random weights, CPU)",),
+    ("BENCHMARKS.md", "train_cpu.json"): ("## Training step",),
+    ("README.md", "decode_memory_3b_bf16.json"): ("## Serving",),
+    ("README.md", "decode_memory_3b_fp32.json"): ("## Serving",),
+    ("README.md", "memory_kernel_3b_layer.json"): ("### The kernel",),
+    ("README.md", "memory_kernel_3b_layer_autodiff.json"): ("### The kernel",),
+    ("README.md", "memory_step_340m.json"): ("### The kernel",),
+    ("README.md", "muon_3b.json"): ("## Muon",),
+    ("README.md", "numerics_kernels.json"): ("### Numerical tolerances you can rely on",),
+    ("README.md", "plan_3b.json"): ("## Training",),
+    ("README.md", "sampler_3b.json"): ("## Serving",),
+}
+
+
+def sections(text: str) -> list[tuple[str, int, int]]:
+    """(heading, start, end) of every markdown section (headings in code fences are not headings)."""
+    heads, pos, fenced = [], 0, False
+    for line in text.splitlines(keepends=True):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif line.startswith("#") and not fenced:
+            heads.append((line.strip(), len(line) - len(line.lstrip("#")), pos))
+        pos += len(line)
+    out = []
+    for i, (head, level, start) in enumerate(heads):
+        end = next((st for _, lv, st in heads[i + 1 :] if lv <= level), len(text))
+        out.append((head, start, end))
+    return out
+
+
+def _located(doc_text: str, figure: str, headings: tuple[str, ...]) -> bool:
+    """Whether ``figure`` appears inside a section whose heading starts with one of ``headings``
+    (a subsection counts as part of its section)."""
+    spans = [(st, en) for head, st, en in sections(doc_text) if head.startswith(headings)]
+    at = doc_text.find(figure)
+    while at != -1:
+        if any(st <= at < en for st, en in spans):
+            return True
+        at = doc_text.find(figure, at + 1)
+    return False
+
+
 def check(root: str = ROOT) -> list[str]:
-    """Every claim whose formatted figure is missing from its document (empty: all match)."""
+    """Every claim whose formatted figure is missing from its document, or is not in the section
+    ``LOCATIONS`` gives for its result (empty: all match)."""
     bad = []
     docs: dict[str, str] = {}
     for doc, result, fmt in CLAIMS:
@@ -173,8 +260,13 @@ def check(root: str = ROOT) -> list[str]:
                 docs[doc] = f.read()
         with open(os.path.join(root, "benchmarks", "results", result)) as f:
             text = fmt(json.load(f))
+        where = LOCATIONS.get((doc, result))
         if text not in docs[doc]:
             bad.append(f"{doc}: expected {text!r} (from benchmarks/results/{result})")
+        elif where is None:
+            bad.append(f"{doc}: {result} has no entry in LOCATIONS (the section that quotes it)")
+        elif not _located(docs[doc], text, where):
+            bad.append(f"{doc}: {text!r} (from {result}) is not under {' or '.join(where)}")
     return bad
 
 

@@ -92,3 +92,34 @@ def test_iterator_state_resumes_same_batches():
     it2 = iter(train_batches(w, global_batch=4, seed=0, num_steps=100))
     it2.set_state(state)
     np.testing.assert_array_equal(np.stack(_take(it2, 5)), np.stack(expected))
+
+
+def test_interrupted_prepare_resumes_without_retokenizing_finished_inputs(tmp_path, monkeypatch):
+    """An input that fails mid-run leaves the finished inputs' staging files; the rerun tokenizes
+    only what was left and writes exactly the dataset an uninterrupted run writes."""
+    import laplace_jax.data.prepare as prep
+
+    inputs = _inputs(tmp_path)
+    straight = prepare(inputs, "byte", str(tmp_path / "straight"), val_fraction=0.2, seed=1)
+    real = prep._tokenize_file
+    calls = []
+
+    def failing(path, *a):
+        calls.append(path)
+        if path.endswith(".parquet"):
+            raise KeyboardInterrupt  # the run dies while tokenizing the third input
+        real(path, *a)
+
+    monkeypatch.setattr(prep, "_tokenize_file", failing)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(inputs, "byte", str(tmp_path / "out"), val_fraction=0.2, seed=1)
+    assert sorted(p.name for p in (tmp_path / "out" / ".staging").iterdir()) == ["00000.npz", "00001.npz"]
+    calls.clear()
+    monkeypatch.setattr(prep, "_tokenize_file", lambda path, *a: (calls.append(path), real(path, *a)))
+    resumed = prepare(inputs, "byte", str(tmp_path / "out"), val_fraction=0.2, seed=1)
+    assert calls == [inputs[2]]  # only the unfinished input
+    assert resumed["splits"] == straight["splits"]
+    for split in ("train", "val"):
+        a, b = TokenStore(str(tmp_path / "straight"), split), TokenStore(str(tmp_path / "out"), split)
+        np.testing.assert_array_equal(a.read(0, len(a)), b.read(0, len(b)))
+    assert not (tmp_path / "out" / ".staging").exists()

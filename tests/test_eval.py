@@ -232,7 +232,7 @@ def test_cli_exact_sets_flags_and_removes_bf16_jit_drift(model_dir, tmp_path):
     assert reps[True]["jit_vs_eager"]["rms_rel"] <= 1e-5
     # no excess precision: compiled bf16 rounds where op-by-op does (measured: 0.0 vs 6.8e-3 on CPU)
     assert reps[True]["jit_vs_eager_bf16"]["rms_rel"] <= 1e-6
-    assert reps[False]["jit_vs_eager_bf16"]["rms_rel"] >= reps[True]["jit_vs_eager_bf16"]["rms_rel"]
+    assert reps[False]["jit_vs_eager_bf16"]["rms_rel"] > 1e-4  # without --exact the drift is there to remove
 
 
 @pytest.mark.slow

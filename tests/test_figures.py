@@ -19,3 +19,29 @@ def test_a_changed_figure_is_caught(tmp_path):
     (root / "BENCHMARKS.md").write_text(text.replace("1.04 GiB", "0.98 GiB"))
     bad = check(str(root))
     assert bad and all("decode_memory_3b_fp32.json" in b for b in bad)
+
+
+def _copy_repo(tmp_path):
+    root = tmp_path / "repo"
+    (root / "benchmarks").mkdir(parents=True)
+    shutil.copytree("benchmarks/results", root / "benchmarks" / "results")
+    for doc in {d for d, _, _ in CLAIMS}:
+        shutil.copy(doc, root / doc)
+    return root
+
+
+def test_a_figure_moved_out_of_its_section_is_caught(tmp_path):
+    """The decay-sweep table row for -16 nats/token, moved from its section to the end of the
+    document: the text is still there, but not where it is quoted, so the check fails."""
+    root = _copy_repo(tmp_path)
+    text = (root / "BENCHMARKS.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| -16.0 |"))
+    (root / "BENCHMARKS.md").write_text(text.replace(row + "\n", "") + "\n" + row + "\n")
+    bad = check(str(root))
+    assert len(bad) == 1 and "decay_sweep.json" in bad[0] and "is not under" in bad[0]
+
+
+def test_every_claim_has_a_location():
+    from benchmarks.check_figures import LOCATIONS
+
+    assert {(d, r) for d, r, _ in CLAIMS} == set(LOCATIONS)

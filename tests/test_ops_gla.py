@@ -15,7 +15,7 @@ from tests.torch_gla import naive_recurrent_gla
 from tests.torch_gla import random_gla_inputs as _inputs
 from tests.torch_gla import rel_error as _rel
 
-TOL = 1e-4  # max abs error relative to the output scale (max |o_ref|), fp32
+TOL = 5e-6  # max abs error relative to the output scale (max |o_ref|), fp32: 10x the worst measured (5e-7)
 
 
 KERNELS = pytest.mark.parametrize("kernel", ["xla", "pallas"])
@@ -147,21 +147,6 @@ def test_gradients_exact_at_every_decay(decay, kernel):
     assert np.max(err / np.abs(ts[3].grad.numpy()).max(axis=(0, 1))) <= SWEEP_PER_ELEMENT
 
 
-@KERNELS
-def test_check_grads_with_state_and_final_state_cotangent(kernel):
-    from jax.test_util import check_grads
-
-    q, k, v, g, s0 = _inputs(40, "weak", seed=5, K=8, V=8)
-    g = g * 8  # decays that matter within a 16-token chunk
-
-    def f(q, k, v, g, s0):
-        return chunk_gla(
-            q, k, v, g, initial_state=s0, chunk_size=16, kernel=kernel
-        )  # (o, final state): both get cotangents
-
-    check_grads(f, (q, k, v, g, s0), order=1, modes=("rev",), atol=2e-2, rtol=2e-2, eps=1e-2)
-
-
 def test_autodiff_saves_only_inputs_chunk_states_and_scores():
     """What jax.grad keeps between forward and backward: the inputs, the [N, B, H, K, V] chunk
     states and the [N, B, H, C, C] scores, nothing per sub-block or per diagonal."""
@@ -183,14 +168,17 @@ def test_step_matches_torch_single_step():
     assert _rel(o, o_t.numpy()[:, 0]) <= 1e-6 and _rel(s, s_t.numpy()) <= 1e-6
 
 
-def test_step_matches_recurrence():
-    q, k, v, g, s0 = _inputs(5, "weak")
-    o_r, s_r = recurrent_gla(q, k, v, g, initial_state=s0)
-    s = s0
-    for t in range(5):
+@pytest.mark.parametrize("decay", ["weak", "strong"])
+def test_steps_match_the_torch_recurrence(decay):
+    """gla_step token by token (the decode path) against the independent float64 torch recurrence."""
+    q, k, v, g, s0 = _inputs(20, decay, seed=4)
+    f64 = lambda x: torch.from_numpy(np.asarray(x, np.float64))  # noqa: E731
+    o_t, s_t = naive_recurrent_gla(*(f64(x) for x in (q, k, v, g)), initial_state=f64(s0))
+    s, outs = s0, []
+    for t in range(20):
         o, s = gla_step(q[:, t], k[:, t], v[:, t], g[:, t], s)
-        np.testing.assert_allclose(o, o_r[:, t], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(s, s_r, rtol=1e-6, atol=1e-6)
+        outs.append(o)
+    assert _rel(np.stack(outs, 1), o_t.numpy()) <= TOL and _rel(s, s_t.numpy()) <= TOL
 
 
 BF16_BOUND = 2e-2  # RMS relative error of bf16-input chunk_gla vs fp32 (documented in README)

@@ -27,10 +27,12 @@ def srv():
 def test_completions_stream_and_chat(srv):
     c = srv.client()
     prompt = "Return the number of items"
-    want = TOK.decode(reference_greedy(TOK.encode(prompt), 24))
+    ids = reference_greedy(TOK.encode(prompt), 24)
+    want = TOK.decode(ids)
     r = c.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
     assert r.choices[0].text == want
-    assert r.usage.prompt_tokens == len(prompt) and r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(ids)
+    assert r.choices[0].finish_reason == ("length" if len(ids) == 24 else "stop")
     chunks = list(
         c.completions.create(
             model="tiny",
@@ -48,6 +50,38 @@ def test_completions_stream_and_chat(srv):
     )
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason in ("stop", "length")
     assert [m.id for m in c.models.list().data] == ["tiny"]
+
+
+def test_chat_content_and_its_stream_are_the_models_greedy_text(srv):
+    """Chat renders "<|user|>\nhi\n<|assistant|>\n", and its content is the model's greedy
+    continuation, cut at the first "<|" (a role marker) or EOS; the stream's deltas add up to it."""
+    c = srv.client()
+    messages = [{"role": "user", "content": "hi"}]
+    chat = c.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
+    want = TOK.decode(reference_greedy(TOK.encode("<|user|>\nhi\n<|assistant|>\n"), 24)).split("<|")[0]
+    assert chat.choices[0].message.content == want
+    chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    assert chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+    assert {ch.id for ch in chunks} == {chunks[0].id} and all(ch.object == "chat.completion.chunk" for ch in chunks)
+
+
+@pytest.mark.parametrize(
+    "spec, want", [("pow2", [1, 2, 4, 6]), ("exact", None), ("1,4", [1, 4, 6]), ("2,6", [2, 6]), ("1,4,6", [1, 4, 6])]
+)
+def test_decode_bucket_specs(spec, want):
+    from laplace_jax.serve.engine import make_buckets
+
+    assert make_buckets(spec if spec in ("pow2", "exact") else spec.split(","), 6) == want
+
+
+@pytest.mark.parametrize("spec", ["0,4", "4,9", "a,b", ""])
+def test_bad_decode_bucket_specs_are_refused_clearly(spec):
+    from laplace_jax.serve.engine import make_buckets
+
+    with pytest.raises(ValueError, match="decode buckets"):
+        make_buckets(spec.split(","), 6)
 
 
 def test_forty_staggered_requests(srv):
@@ -212,7 +246,11 @@ def test_bench_tool_against_the_server(srv, tmp_path):
     )
     res = json.loads(out.read_text())
     assert rc == 0 and res["completed"] == 8 and res["failed"] == 0
-    assert res["output_throughput"] > 0 and res["tpot_s"]["p99"] >= res["tpot_s"]["median"] > 0
+    d = res["duration_s"]
+    # ignore_eos: every request returns exactly --output-len tokens; the rates are those counts over the run
+    assert res["output_throughput"] * d == pytest.approx(8 * 12) and res["request_throughput"] * d == pytest.approx(8)
+    assert res["ttft_s"]["median"] < res["e2el_s"]["median"] <= res["e2el_s"]["p99"] <= d
+    assert 0 < res["tpot_s"]["median"] < res["e2el_s"]["median"]
 
 
 def start_serve_py(tmp_path, *extra: str, cpu_devices: int = 1) -> tuple[subprocess.Popen, str]:

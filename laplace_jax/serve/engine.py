@@ -127,7 +127,12 @@ def make_buckets(spec: str | list[int], max_num_seqs: int) -> list[int] | None:
     if spec == "pow2":
         widths = {1 << i for i in range(max_num_seqs.bit_length()) if 1 << i <= max_num_seqs}
     else:
-        widths = {int(w) for w in spec}
+        try:
+            widths = {int(w) for w in spec}
+        except ValueError:
+            raise ValueError(
+                f"decode buckets are 'pow2', 'exact' or widths like 1,4,8; got {','.join(spec)!r}"
+            ) from None
         if not widths or min(widths) < 1 or max(widths) > max_num_seqs:
             raise ValueError(f"decode buckets must lie in 1..{max_num_seqs}; got {sorted(widths)}")
     return sorted(widths | {max_num_seqs})
