@@ -25,6 +25,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ap.add_argument("--checkpoint", default=None, help="train.py workdir or model directory (default: newest in runs/)")
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step of a workdir (default: the newest)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer spec for model directories ('byte' or tokenizer.json)")
     ap.add_argument("--model-name", default=None, help="model id clients send (default: directory name)")
     ap.add_argument("--host", default="127.0.0.1")
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         path = a.checkpoint or newest_workdir()
-        cfg, params, tok, name = load_for_inference(path, a.tokenizer, exact=a.exact)
+        cfg, params, tok, name = load_for_inference(path, a.tokenizer, exact=a.exact, step=a.step)
         weights_dtype = "float32" if a.exact else (a.weights_dtype or cfg.dtype)
         params = cast_params(params, weights_dtype)
         buckets = a.decode_buckets if a.decode_buckets in ("pow2", "exact") else a.decode_buckets.split(",")

@@ -91,6 +91,8 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"{r['impls']['chunk128']['fwd_bwd_speedup_over_recurrent']:.1f}x"),
     ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"{r['matmul_peak_flops'] / 1e9:.0f} GFLOP/s"),
     ("BENCHMARKS.md", "decode_memory_3b_fp32.json", _decode(256)),
+    ("BENCHMARKS.md", "checkpoint_3b.json", lambda r: f"| **{100 * r['seal_over_save']:.1f}%** |"),
+    ("README.md", "checkpoint_3b.json", lambda r: f"takes {100 * r['seal_over_save']:.1f}% of the time"),
     ("BENCHMARKS.md", "plan_3b.json", lambda r: f"chunk FLOPs = {r['flops_per_token']:.2e}".replace("e+", "e")),
     ("README.md", "memory_kernel_3b_layer_autodiff.json", lambda r: f"needed {_kernel_memory(r, ' (')})"),
     ("BENCHMARKS.md", "memory_kernel_3b_layer_autodiff.json", lambda r: f"before: {_kernel_memory(r, ', ')})"),
@@ -173,6 +175,8 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
 
 # (document, result JSON) -> the headings of the sections allowed to quote its figures
 LOCATIONS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("BENCHMARKS.md", "checkpoint_3b.json"): ("## Checkpoint checksums (one device's share of the 3B state)",),
+    ("README.md", "checkpoint_3b.json"): ("## Training",),
     ("BENCHMARKS.md", "decay_sweep.json"): ("### Gate gradient across decays",),
     ("BENCHMARKS.md", "decode_memory_3b_bf16.json"): (
         "### Decode step memory in the serving configuration (bf16 weights and compute)",

@@ -29,18 +29,21 @@ def newest_workdir(root: str = "runs") -> str:
 
 
 def load_for_inference(
-    path: str, tokenizer: str | None = None, *, exact: bool = False
+    path: str, tokenizer: str | None = None, *, exact: bool = False, step: int | None = None
 ) -> tuple[ModelConfig, Any, Any, str]:
-    """(ModelConfig, params on one device, tokenizer, name) from a workdir or a model directory.
+    """(ModelConfig, params on one device, tokenizer, name) from a workdir (newest step, or
+    ``step``) or a model directory.
 
     ``exact``: the ``--exact`` mode of serve.py and the eval CLI: compute in float32 (their entry
     point has called ``platform.set_exact()`` before JAX started)."""
     try:
         if os.path.isdir(os.path.join(path, "checkpoints")):
-            run_cfg, cfg, params = load_trained(path)
+            run_cfg, cfg, params = load_trained(path, step)
             data = run_cfg.get("data", {})
             spec = tokenizer or (read_meta(data["path"])["tokenizer"] if data.get("path") else data.get("tokenizer"))
         else:
+            if step is not None:
+                raise UserError(f"--step picks a checkpoint of a train.py workdir; {path} is a model directory")
             cfg, params = load_model(path)
             spec = tokenizer
             if spec is None:

@@ -48,6 +48,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             "--checkpoint", required=True, nargs="+" if name == "recall" else None, help="workdir or model dir"
         )
         p.add_argument("--tokenizer", default=None, help="tokenizer spec for model directories")
+        p.add_argument("--step", type=int, default=None, help="checkpoint step of a workdir (default: newest)")
         p.add_argument("--out", default="eval_out", help="output directory")
         p.add_argument("--exact", action="store_true", help="float32 compute and XLA flags for reproducibility")
         if name == "recall":
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = a.checkpoint if isinstance(a.checkpoint, list) else [a.checkpoint]
         loaded = []
         for path in paths:
-            cfg, params, tok, name = load_for_inference(path, a.tokenizer, exact=a.exact)
+            cfg, params, tok, name = load_for_inference(path, a.tokenizer, exact=a.exact, step=a.step)
             loaded.append((cfg, params, tok, name))
         if len({x[3] for x in loaded}) < len(loaded):
             raise UserError("checkpoints must have different directory names (they name the outputs)")

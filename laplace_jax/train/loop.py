@@ -78,10 +78,10 @@ def run(
     data_iter = iter(batches)
     ckpt = TrainCheckpointer(workdir, keep=t.keep_checkpoints, every=t.ckpt_every)
     config_json = _config_dict(config)
-    start = ckpt.latest_step()
+    start, state = ckpt.restore_latest(
+        trainer.abstract_state, data_iter, accept=lambda saved: _same_run(saved, config_json), log=log
+    )
     if start is not None:
-        _same_run(ckpt.saved_config(start), config_json)
-        state = ckpt.restore(start, trainer.abstract_state, data_iter)
         log(f"resumed from step {start} in {ckpt.directory}")
     else:
         start, state = 0, trainer.init(config.data.seed)
