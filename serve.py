@@ -17,19 +17,20 @@ import sys
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    from laplace_jax.cli import HelpFormatter
     from laplace_jax.platform import PRNG_IMPLS  # importing jax reads no XLA flags; backends start later
 
     ap = argparse.ArgumentParser(
         prog="python serve.py",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("--checkpoint", default=None, help="train.py workdir or model directory (default: newest in runs/)")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step of a workdir (default: the newest)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer spec for model directories ('byte' or tokenizer.json)")
     ap.add_argument("--model-name", default=None, help="model id clients send (default: directory name)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    ap.add_argument("--port", type=int, default=8000, help="port to listen on")
     ap.add_argument("--max-num-seqs", type=int, default=8, help="decode slots per device (sequences decoded together)")
     ap.add_argument(
         "--devices",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -12,7 +14,33 @@ from absl import logging as absl_logging
 from laplace_jax.errors import UserError
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default once: not when it is None or its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is argparse.SUPPRESS or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
+
+
+def _config_path(argv: list[str]) -> str | None:
+    """The file of ``--config PATH`` / ``--config=PATH[:variant]`` in ``argv``, if any."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1].split(":")[0]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1].split(":")[0]
+    return None
+
+
 def _parse(argv: list[str]) -> list[str]:
+    path = _config_path(argv)
+    if path is not None and not os.path.isfile(path):
+        near = os.path.dirname(path) or "."
+        known = sorted(f for f in os.listdir(near) if f.endswith(".py")) if os.path.isdir(near) else []
+        hint = f" ({near}/ holds {', '.join(known)})" if known else ""
+        sys.exit(f"error: config file {path} does not exist{hint}")
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:

@@ -36,6 +36,8 @@ def load_for_inference(
 
     ``exact``: the ``--exact`` mode of serve.py and the eval CLI: compute in float32 (their entry
     point has called ``platform.set_exact()`` before JAX started)."""
+    if not os.path.exists(path):
+        raise UserError(f"{path} does not exist; pass --checkpoint a train.py workdir or a model directory")
     try:
         if os.path.isdir(os.path.join(path, "checkpoints")):
             run_cfg, cfg, params = load_trained(path, step)

@@ -97,7 +97,7 @@ def test_loaders_name_the_damaged_step_and_the_flag(runs, tmp_path):
     shutil.copytree(base, work)
     _zero_64(_data_files(work / "checkpoints" / "8")[-1])
     before = sorted(p for p in work.rglob("*"))
-    with pytest.raises(CheckpointError, match=r"step 8 .* is damaged .*--step N \(other steps: 4, 1\)"):
+    with pytest.raises(CheckpointError, match=r"step 8 .* is damaged .*--step N \(step=N\) \(other steps: 4, 1\)"):
         load_trained(str(work))
     _, _, params = load_trained(str(work), step=4)
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(params))

@@ -41,7 +41,7 @@ from laplace_jax.sampling import CANDIDATES
 from laplace_jax.serve.compiles import CompileCounter
 from laplace_jax.serve.programs import MAX_STOP_IDS, DevicePrograms
 
-if TYPE_CHECKING:  # a type only: prometheus_client is the [serve] extra, and eval runs the engine without it
+if TYPE_CHECKING:  # a type only: eval runs the engine without metrics
     from laplace_jax.serve.metrics import ServeMetrics
 
 MAX_SEED = 2**63 - 1

@@ -26,10 +26,13 @@ def _config_dict(config: Any) -> dict:
 
 
 def _check_workdir(workdir: str) -> None:
+    """Fail early if ``workdir`` cannot be written, without creating it (a refused run leaves nothing)."""
+    probe = os.path.abspath(workdir)
+    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
     try:
-        os.makedirs(workdir, exist_ok=True)
         # A unique name: every process of a multi-host run probes the same shared workdir.
-        with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_test_"):
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".write_test_"):
             pass
     except OSError as e:
         raise UserError(
@@ -62,6 +65,8 @@ def run(
     """Train (or resume) and return a summary. ``max_steps`` stops early; ``devices`` defaults to all."""
     _check_workdir(workdir)
     lead, t = jax.process_index() == 0, config.train
+    if lead:
+        log(f"{workdir}: building the training data and compiling the step (tens of seconds on a CPU)")
     trainer = Trainer(config, devices)
     data = TrainingData(config, trainer.model_cfg)
     compiled = trainer.compile()
@@ -76,6 +81,7 @@ def run(
         process_count=jax.process_count(),
     )
     data_iter = iter(batches)
+    os.makedirs(workdir, exist_ok=True)  # only now: a run refused above leaves no directory behind
     ckpt = TrainCheckpointer(workdir, keep=t.keep_checkpoints, every=t.ckpt_every)
     config_json = _config_dict(config)
     start, state = ckpt.restore_latest(
@@ -100,7 +106,7 @@ def run(
         end=end,
         show=lead,
     )
-    pending = None
+    pending, last_eval = None, None
     try:
         for step in range(start, end):
             state, metrics = compiled(state, trainer.batch(next(data_iter)))
@@ -108,31 +114,45 @@ def run(
                 steps.record(*pending)
             pending = (step + 1, metrics)
             steps.advance()
-            ckpt.save(step + 1, state, data_iter, config_json)
-            if t.eval_every and (step + 1) % t.eval_every == 0:
-                writer.write(step + 1, {"eval_loss": trainer.eval_loss(state["params"], data.val)})
+            with steps.paused():  # checkpoint writes and evaluation are not step time
+                ckpt.save(step + 1, state, data_iter, config_json)
+                if t.eval_every and (step + 1) % t.eval_every == 0:
+                    last_eval = (step + 1, trainer.eval_loss(state["params"], data.val))
+                    writer.write(step + 1, {"eval_loss": last_eval[1]})
+                    steps.note(f"step {step + 1}: eval loss {last_eval[1]:.4f}")
         if pending is not None:
             steps.record(*pending)
     finally:
         steps.close()
         ckpt.wait()
-    return _finish(trainer, state, data, ckpt, data_iter, config_json, writer, steps.history, workdir, log)
+    return _finish(trainer, state, data, ckpt, data_iter, config_json, writer, steps.history, workdir, log, last_eval)
 
 
-def _finish(trainer, state, data, ckpt, data_iter, config_json, writer, history, workdir, log) -> dict[str, Any]:
-    """Final checkpoint, eval and plot; the run's summary."""
+def _finish(
+    trainer, state, data, ckpt, data_iter, config_json, writer, history, workdir, log, last_eval
+) -> dict[str, Any]:
+    """Final checkpoint, eval and plot; the run's summary. ``last_eval``: (step, loss) of the
+    loop's last evaluation, reused when it was at the final step."""
     final_step = int(jax.device_get(state["step"]))
     ckpt.save(final_step, state, data_iter, config_json, force=final_step not in ckpt.manager.all_steps())
-    eval_loss = trainer.eval_loss(state["params"], data.val)
-    writer.write(final_step, {"eval_loss": eval_loss})
+    if last_eval is not None and last_eval[0] == final_step:
+        eval_loss = last_eval[1]
+    else:
+        eval_loss = trainer.eval_loss(state["params"], data.val)
+        if history:  # a rerun of a finished run trains nothing and records nothing new
+            writer.write(final_step, {"eval_loss": eval_loss})
     ckpt.wait()
     ckpt.close()
     writer.close()
     lead = jax.process_index() == 0
     png = plot_loss(workdir) if lead else None
-    if lead:
-        last = history[-1]["loss"] if history else float("nan")
-        log(f"done: step {final_step}, train loss {last:.4f}, eval loss {eval_loss:.4f}; plot {png}")
+    if lead and history:
+        log(f"done: step {final_step}, train loss {history[-1]['loss']:.4f}, eval loss {eval_loss:.4f}; plot {png}")
+    elif lead:
+        log(
+            f"nothing to train: {workdir} already reached step {final_step} (train.steps); eval loss "
+            f"{eval_loss:.4f}. Raise --config.train.steps to train further, or pass a new --workdir"
+        )
     return {
         "step": final_step,
         "eval_loss": eval_loss,

@@ -3,9 +3,11 @@ per-step record (loss, norms, lr, tokens/s, MFU) behind the progress bar."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -121,6 +123,20 @@ class StepLog:
                 f"{int(m['nonfinite'])} non-finite steps in a row at step {step} (loss {m['loss']}); the last good "
                 f"state is checkpointed. Lower opt.lr or opt.clip_norm, or check the data; then resume"
             )
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside (evaluation, checkpoint writes) is left out of the step rates."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._last += time.perf_counter() - t0
+
+    def note(self, text: str) -> None:
+        """A line on the console above the progress bar (process 0)."""
+        if not self.bar.disable:
+            self.bar.write(text)
 
     def advance(self) -> None:
         """One more step dispatched (its metrics come a step later)."""
