@@ -38,7 +38,7 @@ from laplace_jax.data.tokenizer import ByteTokenizer
 from laplace_jax.models.gla_lm import init_params
 from laplace_jax.serve import bench
 from laplace_jax.serve.engine import Engine
-from laplace_jax.serve.metrics import ServeMetrics
+from laplace_jax.serve.metrics import ServeMetrics, sample_sum
 from laplace_jax.serve.server import BackgroundServer, Server
 
 DEVICES = 1  # set from --devices
@@ -56,12 +56,8 @@ def load(srv: BackgroundServer, **kw) -> dict:
     return asyncio.run(bench.run(args))
 
 
-def metric_sum(srv: BackgroundServer, name: str, label: str = "") -> float:
-    total = 0.0
-    for line in httpx.get(srv.url + "/metrics").text.splitlines():
-        if line.startswith(name) and label in line and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def metric_sum(srv: BackgroundServer, name: str, **labels: str) -> float:
+    return sample_sum(httpx.get(srv.url + "/metrics").text, name, **labels)
 
 
 def concurrency_sweep(cfg, params, levels, out_len) -> dict:
@@ -179,10 +175,10 @@ def decode_step_vs_context(cfg, params, width=4, repeats=30) -> dict:
 def compile_share(cfg, params, mode) -> dict:
     srv = start(cfg, params, max_num_seqs=16, buckets=mode, prefill_chunk=64, steps_per_call=4, max_model_len=1024)
     r = load(srv, num_prompts=48, input_len=64, output_len=48, request_rate=12, burstiness=1)
-    compile_s = metric_sum(srv, "laplace:compile_seconds_total", 'phase="serving"')
+    compile_s = metric_sum(srv, "laplace:compile_seconds_total", phase="serving")
     step_s = metric_sum(srv, "laplace:decode_step_seconds_sum")
     steps = metric_sum(srv, "laplace:decode_steps_total")
-    compiles = metric_sum(srv, "laplace:compiles_total", 'phase="serving"')
+    compiles = metric_sum(srv, "laplace:compiles_total", phase="serving")
     srv.close()
     out = {
         "serving_compiles": compiles,

@@ -14,14 +14,18 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
-from laplace_jax import checkpoint, safetensors_io
+from laplace_jax import checkpoint
 from laplace_jax.config import ModelConfig
-from laplace_jax.errors import CheckpointFormatError, ConfigError, SafetensorsError, UserError
+from laplace_jax.errors import CheckpointFormatError, ConfigError, UserError
 from laplace_jax.models.gla_lm import abstract_params, count_params
 
 # fla GLAConfig key -> ModelConfig field.
@@ -109,7 +113,35 @@ def config_to_fla(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def _read_state_dict(path: str) -> dict[str, np.ndarray]:
+class LazyStateDict(Mapping[str, np.ndarray]):
+    """Tensor name -> numpy array, read from its safetensors file only when asked (safetensors'
+    memory-mapped reader): an import holds one source tensor at a time, not every shard."""
+
+    def __init__(self, files: list[str]):
+        self._where: dict[str, str] = {}
+        for path in files:
+            try:
+                with safe_open(path, framework="numpy") as f:
+                    self._where.update(dict.fromkeys(f.keys(), path))
+            except (OSError, SafetensorError) as e:
+                raise CheckpointFormatError(f"{path} is not a readable safetensors file: {e}") from e
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        path = self._where[key]
+        try:
+            with safe_open(path, framework="numpy") as f:
+                return f.get_tensor(key)
+        except (OSError, SafetensorError) as e:
+            raise CheckpointFormatError(f"{path}: tensor {key!r} cannot be read: {e}") from e
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _read_state_dict(path: str) -> LazyStateDict:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
@@ -123,18 +155,12 @@ def _read_state_dict(path: str) -> dict[str, np.ndarray]:
         )
     else:
         raise CheckpointFormatError(f"{path} has no model.safetensors or model.safetensors.index.json")
-    sd: dict[str, np.ndarray] = {}
-    for name in files:
-        try:
-            sd.update(safetensors_io.load(os.path.join(path, name)))
-        except (OSError, SafetensorsError) as e:
-            raise CheckpointFormatError(str(e)) from e
-    return sd
+    return LazyStateDict([os.path.join(path, name) for name in files])
 
 
-def params_from_state_dict(cfg: ModelConfig, sd: dict[str, np.ndarray]) -> dict:
-    """fla state_dict (numpy, any float dtype) -> laplace params (float32 numpy, [in, out], stacked)."""
-    sd = dict(sd)
+def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray]) -> dict:
+    """fla state_dict (numpy, any float dtype; a ``LazyStateDict`` is read tensor by tensor) ->
+    laplace params (float32 numpy, [in, out], stacked)."""
     used: set[str] = set()
 
     def take(key: str) -> np.ndarray:
@@ -248,7 +274,7 @@ def load_fla(path: str, **overrides: Any) -> tuple[ModelConfig, dict]:
 def save_fla(path: str, cfg: ModelConfig, params: dict, dtype: Any = np.float32) -> None:
     """Write ``config.json`` + ``model.safetensors`` in fla's ``save_pretrained`` layout."""
     os.makedirs(path, exist_ok=True)
-    safetensors_io.save(os.path.join(path, "model.safetensors"), params_to_state_dict(cfg, params, dtype))
+    save_file(params_to_state_dict(cfg, params, dtype), os.path.join(path, "model.safetensors"), {"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config_to_fla(cfg), f, indent=2)
 
@@ -271,9 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint.save_model(args.out, cfg, params)
         else:
             cfg, params = checkpoint.load_model(args.src)
-            save_fla(
-                args.out, cfg, params, np.dtype(safetensors_io._DTYPES["BF16" if args.dtype == "bfloat16" else "F32"])
-            )
+            save_fla(args.out, cfg, params, np.dtype(ml_dtypes.bfloat16 if args.dtype == "bfloat16" else np.float32))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

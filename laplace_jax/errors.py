@@ -27,10 +27,6 @@ class CheckpointFormatError(UserError, ValueError):
     """The directory is not an fla GLA checkpoint this package can load; the message says why."""
 
 
-class SafetensorsError(UserError, ValueError):
-    """The file is not a readable safetensors file."""
-
-
 class DoesNotFitError(UserError, ValueError):
     """A sample's fixed parts (pairs, question) need more tokens than its context length."""
 

@@ -106,7 +106,7 @@ def test_bad_directories(tmp_path):
     with pytest.raises(CheckpointFormatError, match=r"no model\.safetensors"):
         load_fla(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
-    with pytest.raises(CheckpointFormatError, match=r"truncated or not safetensors|corrupt"):
+    with pytest.raises(CheckpointFormatError, match=r"not a readable safetensors file"):
         load_fla(str(tmp_path))
 
 

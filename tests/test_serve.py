@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import portpicker
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from serving_helpers import CFG, PARAMS, TOK, Running, reference_greedy
 
 
@@ -112,9 +113,10 @@ def test_forty_staggered_requests(srv):
         assert results[i]["choices"][0]["text"] == TOK.decode(reference_greedy(ids, n)), i
     assert srv.engine.compiles.total("serving") == 0
     used = {
-        int(line.split('bucket="')[1].split('"')[0])
-        for line in httpx.get(srv.url + "/metrics").text.splitlines()
-        if line.startswith("laplace:decode_steps_total{")
+        int(s.labels["bucket"])
+        for family in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)
+        for s in family.samples
+        if s.name == "laplace:decode_steps_total"
     }
     assert used <= set(srv.engine.buckets)
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from serving_helpers import TOK, Running, reference_greedy
 
 from laplace_jax.data.tokenizer import ByteTokenizer
+from laplace_jax.serve.metrics import sample_sum
 
 PROMPT = "Return the number of items"
 
@@ -50,12 +51,8 @@ def assert_healthy(srv):
     assert complete(srv, temperature=0)["text"] == TOK.decode(reference_greedy(TOK.encode(PROMPT), 24))
 
 
-def metric(srv, name: str, label: str = "") -> float:
-    total = 0.0
-    for line in httpx.get(srv.url + "/metrics").text.splitlines():
-        if line.startswith(name) and label in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def metric(srv, name: str, **labels: str) -> float:
+    return sample_sum(httpx.get(srv.url + "/metrics").text, name, **labels)
 
 
 def sse(r) -> list[dict]:

@@ -6,6 +6,7 @@ import time
 
 import jax
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.parser import text_string_to_metric_families
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -75,3 +76,14 @@ class ServeMetrics:
         self.finished.labels(reason).inc()
         self.generation_tokens.inc(generated)
         self.e2e.observe(time.perf_counter() - req.arrival)
+
+
+def sample_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` (e.g. ``laplace:compiles_total``) whose labels include
+    ``labels``, in a Prometheus text exposition (what GET /metrics returns)."""
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )

@@ -21,6 +21,8 @@ import httpx
 import numpy as np
 import psutil
 
+from laplace_jax.serve.metrics import sample_sum
+
 INVALID_BODIES = (
     lambda m: {"model": m, "prompt": "x", "seed": 2**64 + 3},
     lambda m: {"model": m, "prompt": "x", "stop_token_ids": [2**40]},
@@ -108,14 +110,6 @@ async def _one(client: httpx.AsyncClient, url: str, kind: str, body, rng: np.ran
         return f"transport_{type(e).__name__}"
 
 
-def _metric(text: str, name: str, label: str = "") -> float:
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and label in line and not line.startswith("#")
-    )
-
-
 def _rss_mb(pid: int | None) -> float | None:
     if pid is None:
         return None
@@ -165,7 +159,7 @@ async def run_soak(
         settle_t0 = time.perf_counter()
         while True:  # give the engine a moment to reap the last disconnects
             after = (await client.get(base + "/metrics")).text
-            busy = _metric(after, "laplace:num_requests_running") + _metric(after, "laplace:num_requests_waiting")
+            busy = sample_sum(after, "laplace:num_requests_running") + sample_sum(after, "laplace:num_requests_waiting")
             if busy == 0 or time.perf_counter() - settle_t0 > 10:
                 break
             await asyncio.sleep(0.1)
@@ -173,7 +167,6 @@ async def run_soak(
     rss_after = _rss_mb(server_pid)
     expected = {("valid", "ok"), ("disconnect", "disconnected"), ("invalid", "refused")}
     errors = collections.Counter({f"{k}:{o}": n for (k, o), n in outcomes.items() if (k, o) not in expected})
-    serving = 'phase="serving"'
     return {
         "requests": num_requests,
         "concurrency": concurrency,
@@ -181,11 +174,11 @@ async def run_soak(
         "outcomes": {f"{k}:{o}": n for (k, o), n in sorted(outcomes.items())},
         "errors_by_kind": dict(errors),
         "errors_total": sum(errors.values()),
-        "leaked_slots": _metric(after, "laplace:num_requests_running"),
-        "waiting_after": _metric(after, "laplace:num_requests_waiting"),
-        "compiles_after_warmup": _metric(after, "laplace:compiles_total{", serving)
-        - _metric(before.text, "laplace:compiles_total{", serving),
-        "engine_restarts": _metric(after, "laplace:engine_restarts_total"),
+        "leaked_slots": sample_sum(after, "laplace:num_requests_running"),
+        "waiting_after": sample_sum(after, "laplace:num_requests_waiting"),
+        "compiles_after_warmup": sample_sum(after, "laplace:compiles_total", phase="serving")
+        - sample_sum(before.text, "laplace:compiles_total", phase="serving"),
+        "engine_restarts": sample_sum(after, "laplace:engine_restarts_total"),
         "health_after": health,
         "rss_before_mb": rss_before,
         "rss_after_mb": rss_after,
