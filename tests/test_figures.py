@@ -10,11 +10,7 @@ def test_every_quoted_figure_matches_its_json():
 
 
 def test_a_changed_figure_is_caught(tmp_path):
-    root = tmp_path / "repo"
-    (root / "benchmarks").mkdir(parents=True)
-    shutil.copytree("benchmarks/results", root / "benchmarks" / "results")
-    for doc in {d for d, _, _ in CLAIMS}:
-        shutil.copy(doc, root / doc)
+    root = _copy_repo(tmp_path)
     text = (root / "BENCHMARKS.md").read_text()
     (root / "BENCHMARKS.md").write_text(text.replace("1.04 GiB", "0.98 GiB"))
     bad = check(str(root))

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.bench_decay_sweep import DECAYS as SWEEP
+from benchmarks.bench_decay_sweep import inputs as sweep_inputs
 from laplace_jax.ops.gla import chunk_gla, gla_step, recurrent_gla
 from tests.torch_gla import naive_recurrent_gla
 from tests.torch_gla import random_gla_inputs as _inputs
@@ -97,21 +99,8 @@ def test_gradients_match_torch_float64_autograd(decay, kernel):
         assert _rel(ours, ref.grad.numpy()) <= TOL, name
 
 
-# the decay sweep: per-token log-decays a user's gates produce, from almost none to -16 nats
-SWEEP = [-0.01, -0.1, -1.0, -4.0, -8.0, -16.0, "mixed"]
+# the decay sweep (benchmarks/bench_decay_sweep.py): per-token log-decays from almost none to -16 nats
 SWEEP_PER_ELEMENT, SWEEP_SUMMED = 2e-6, 1e-5  # measured ~1e-7 to 6e-7 on both kernels
-
-
-def _sweep_inputs(decay, seed, B=2, T=150, H=2, K=32, V=32):
-    """Normal q, k, v, s0; g nearly uniform per token (5% jitter) at ``decay`` nats per token, or,
-    for "mixed", each key channel at one of the sweep's decays."""
-    r = np.random.default_rng(seed)
-    q, k = (r.standard_normal((B, T, H, K)) for _ in range(2))
-    v, s0 = r.standard_normal((B, T, H, V)), r.standard_normal((B, H, K, V))
-    levels = np.array([d for d in SWEEP if d != "mixed"])
-    base = levels[r.integers(0, len(levels), (1, 1, H, K))] if decay == "mixed" else np.full((1, 1, H, K), decay)
-    g = np.minimum(base * (1 + 0.05 * r.standard_normal((B, T, H, K))), 0.0)
-    return [x.astype(np.float32) for x in (q, k, v, g, s0)]
 
 
 @functools.cache
@@ -129,9 +118,8 @@ def test_gradients_exact_at_every_decay(decay, kernel):
     """All five gradients against float64 torch autograd of the token recurrence, per element and
     summed over batch and positions (what a gate bias sees): the gate gradient must not cancel
     however strong the decay (T = 150: a partial chunk of 64, sub-blocks between pairs)."""
-    xs = _sweep_inputs(decay, seed=3)
-    r = np.random.default_rng(4)
-    w_o, w_s = r.standard_normal((2, 150, 2, 32)), r.standard_normal(xs[4].shape)
+    *xs, w_o, w_s = sweep_inputs(decay, seed=3)  # the benchmark's inputs: B2 T150 H2 K32 V32
+    xs = [x.astype(np.float32) for x in xs]
     ts = [torch.from_numpy(x.astype(np.float64)).requires_grad_() for x in xs]
     o_t, s_t = naive_recurrent_gla(*ts[:4], initial_state=ts[4])
     ((o_t * torch.from_numpy(w_o)).sum() + (s_t * torch.from_numpy(w_s)).sum()).backward()

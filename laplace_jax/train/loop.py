@@ -28,8 +28,10 @@ def _config_dict(config: Any) -> dict:
 def _check_workdir(workdir: str) -> None:
     """Fail early if ``workdir`` cannot be written, without creating it (a refused run leaves nothing)."""
     probe = os.path.abspath(workdir)
-    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
         probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise UserError(f"workdir {workdir} is not writable ({probe} is a file); pass --workdir to a directory")
     try:
         # A unique name: every process of a multi-host run probes the same shared workdir.
         with tempfile.NamedTemporaryFile(dir=probe, prefix=".write_test_"):
@@ -81,7 +83,12 @@ def run(
         process_count=jax.process_count(),
     )
     data_iter = iter(batches)
-    os.makedirs(workdir, exist_ok=True)  # only now: a run refused above leaves no directory behind
+    try:
+        os.makedirs(workdir, exist_ok=True)  # only now: a run refused above leaves no directory behind
+    except OSError as e:
+        raise UserError(
+            f"workdir {workdir} is not writable ({e.strerror}); pass --workdir to a writable directory"
+        ) from e
     ckpt = TrainCheckpointer(workdir, keep=t.keep_checkpoints, every=t.ckpt_every)
     config_json = _config_dict(config)
     start, state = ckpt.restore_latest(
