@@ -17,14 +17,13 @@ timed on the same inputs, e.g. ``git show REV:laplace_jax/ops/gla_chunk.py``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import write_result
+from benchmarks.common import baseline_chunk_gla, write_result
 from laplace_jax.ops.gla import chunk_gla, recurrent_gla
 
 DECAYS = (-0.01, -0.1, -1.0, -4.0, -8.0, -16.0, "mixed")
@@ -49,17 +48,6 @@ def grad_fn(fn):
         return jnp.sum(o * w_o) + jnp.sum(s * w_s)
 
     return jax.jit(jax.grad(loss, argnums=range(5)))
-
-
-def padded(module):
-    """A baseline gla_chunk.py's ``chunk_gla_padded`` with T padded state-neutrally to a multiple of C."""
-
-    def fn(q, k, v, g, s0):
-        pad = ((0, 0), (0, (-T) % C), (0, 0), (0, 0))
-        o, s = module.chunk_gla_padded(*(jnp.pad(x, pad) for x in (q, k, v, g)), s0, K**-0.5, C)
-        return o[:, :T], s
-
-    return fn
 
 
 def errors(ours, ref) -> dict[str, dict[str, float]]:
@@ -89,10 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     kernels = {name: kernel(name) for name in ("xla", "pallas")}
     if a.baseline:
-        spec = importlib.util.spec_from_file_location("gla_chunk_baseline", a.baseline)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        kernels["baseline"] = grad_fn(padded(module))
+        base = baseline_chunk_gla(a.baseline)
+        kernels["baseline"] = grad_fn(lambda q, k, v, g, s0: base(q, k, v, g, s0, C))
     res = {"jax": jax.__version__, "shape": dict(B=B, T=T, H=H, K=K, V=V, chunk_size=C), "decays": {}}
     for decay in DECAYS:
         xs = inputs(decay)

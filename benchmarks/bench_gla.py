@@ -25,14 +25,13 @@ an ``ops/gla.py`` that defines ``chunk_gla`` (before the kernel moved out of it)
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import platform
 import sys
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import matmul_gflops, median_seconds, write_result
+from benchmarks.common import baseline_chunk_gla, matmul_gflops, median_seconds, write_result
 from laplace_jax.ops.gla import chunk_gla, recurrent_gla
 from laplace_jax.platform import on_gpu
 
@@ -55,20 +54,6 @@ def copy_bandwidth(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
     x = jnp.ones((n_bytes // 4,), jnp.float32)
     f = jax.jit(lambda x: x * 1.0001)
     return 2 * n_bytes / median_seconds(lambda: f(x), repeats)
-
-
-def baseline_fn(module, T: int):
-    """The baseline module's chunked GLA at C=128: its ``chunk_gla``, or its ``chunk_gla_padded``."""
-    if hasattr(module, "chunk_gla"):
-        return module.chunk_gla
-    if T % 128:
-        raise SystemExit("--baseline with a gla_chunk.py needs --T a multiple of 128")
-
-    def fn(q, k, v, g):
-        s0 = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-        return module.chunk_gla_padded(q, k, v, g, s0, q.shape[3] ** -0.5, 128)
-
-    return fn
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,10 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         fn = lambda q, k, v, g, C=C: chunk_gla(q, k, v, g, chunk_size=C, kernel="pallas")  # noqa: E731
         measure(f"pallas{C}", fn, gla_flops(a.B, a.T, a.H, a.K, a.V, C), a.repeats)
     if a.baseline:
-        spec = importlib.util.spec_from_file_location("gla_baseline", a.baseline)
-        base = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(base)
-        measure("baseline128", baseline_fn(base, a.T), gla_flops(a.B, a.T, a.H, a.K, a.V, 128), a.repeats)
+        base = baseline_chunk_gla(a.baseline)
+        fn = lambda q, k, v, g: base(q, k, v, g, None, 128)  # noqa: E731
+        measure("baseline128", fn, gla_flops(a.B, a.T, a.H, a.K, a.V, 128), a.repeats)
     if not a.no_recurrent:
         measure("recurrent", recurrent_gla, gla_flops(a.B, a.T, a.H, a.K, a.V, 128), 3)
     rec = res["impls"].get("recurrent")

@@ -34,7 +34,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import write_result
+from benchmarks.common import baseline_chunk_gla, write_result
 
 GiB = 2**30
 
@@ -43,12 +43,8 @@ def kernel_report(B: int, T: int, H: int, K: int, V: int, chunk_size: int = 128,
     """``baseline``: another version's ``ops/gla.py`` defining ``chunk_gla`` (e.g. 79ee48b, the
     autodiff'd kernel), measured instead of this one."""
     if baseline:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("gla_baseline", baseline)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        chunk_gla = module.chunk_gla
+        base = baseline_chunk_gla(baseline)
+        chunk_gla = lambda q, k, v, g, chunk_size: base(q, k, v, g, None, chunk_size)  # noqa: E731
     else:
         from laplace_jax.ops.gla import chunk_gla
 
@@ -182,12 +178,13 @@ def sampler_report(config: str, width: int, prng: str) -> dict:
     the bf16 decode step's minimum traffic (weights read once, state read and written once)."""
     from laplace_jax.config import load_config_file, model_config
     from laplace_jax.models.gla_lm import abstract_params, init_state
+    from laplace_jax.platform import key_words
     from laplace_jax.sampling import sample_rows
 
     cfg = model_config(load_config_file(config))
     V = cfg.vocab_size
     rows = lambda dt: jax.ShapeDtypeStruct((width,), dt)  # noqa: E731
-    key_data = jax.ShapeDtypeStruct((width, 2 if prng == "threefry2x32" else 4), jnp.uint32)
+    key_data = jax.ShapeDtypeStruct((width, key_words(prng)), jnp.uint32)
 
     def sample(logits, temperature, top_k, top_p, kd):  # as the decode program calls it
         keys = jax.random.wrap_key_data(kd, impl=prng)
@@ -197,9 +194,9 @@ def sampler_report(config: str, width: int, prng: str) -> dict:
     cost = jax.jit(sample).lower(*args, key_data).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
-    state = jax.eval_shape(lambda: init_state(cfg, width))
-    step_min = nbytes(abstract_params(cfg)) // 2 + 2 * nbytes(state)  # bf16 weights
-    step_flops = 2 * sum(x.size for x in jax.tree.leaves(abstract_params(cfg))) * width
+    state, params = jax.eval_shape(lambda: init_state(cfg, width)), abstract_params(cfg)
+    step_min = nbytes(params) // 2 + 2 * nbytes(state)  # bf16 weights
+    step_flops = 2 * sum(x.size for x in jax.tree.leaves(params)) * width
     return {
         "config": config,
         "width": width,

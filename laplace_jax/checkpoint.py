@@ -54,6 +54,11 @@ def _digest(path: str) -> str:
     return f"{crc:08x}"
 
 
+def _digests(directory: str, files: list[str]) -> list[str]:
+    with ThreadPoolExecutor(_WORKERS) as pool:
+        return list(pool.map(lambda f: _digest(os.path.join(directory, f)), files))
+
+
 def _files(directory: str) -> list[str]:
     out = []
     for root, _, names in os.walk(directory):
@@ -66,8 +71,7 @@ def seal(directory: str) -> None:
     (nothing if the directory is gone: a step garbage-collected before it was sealed)."""
     try:
         files = _files(directory)
-        with ThreadPoolExecutor(_WORKERS) as pool:
-            digests = list(pool.map(lambda f: _digest(os.path.join(directory, f)), files))
+        digests = _digests(directory, files)
         record = {
             "algorithm": "crc32",
             "files": {
@@ -103,8 +107,7 @@ def damage(directory: str) -> str | None:
             return f"{rel} is missing"
         if os.path.getsize(full) != want["bytes"]:
             return f"{rel} holds {os.path.getsize(full)} of its {want['bytes']} bytes"
-    with ThreadPoolExecutor(_WORKERS) as pool:
-        got = dict(zip(record, pool.map(lambda f: _digest(os.path.join(directory, f)), record), strict=True))
+    got = dict(zip(record, _digests(directory, list(record)), strict=True))
     bad = [rel for rel, want in record.items() if got[rel] != want["digest"]]
     if bad:
         more = f" (and {len(bad) - 1} more files)" if len(bad) > 1 else ""
