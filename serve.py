@@ -72,7 +72,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $LAPLACE_API_KEY; unset = no auth)",
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+        "(default: $LAPLACE_API_KEY; unset = no auth)",
     )
     ap.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics too")
     ap.add_argument(
@@ -83,10 +84,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "finish_reason 'length' before this, then the process exits",
     )
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body cap (413 above it)")
+    ap.add_argument("--body-timeout", type=float, default=30.0, help="seconds for a request body to arrive (408)")
+    ap.add_argument(
+        "--header-timeout", type=float, default=10.0, help="seconds for a connection to send a request head"
+    )
+    ap.add_argument("--keep-alive", type=float, default=5.0, help="seconds an idle kept-alive connection stays open")
+    ap.add_argument(
+        "--max-connections", type=int, default=1024, help="open connections; more are closed as they arrive"
+    )
     a = ap.parse_args(argv)
     a.api_key = a.api_key or os.environ.get("LAPLACE_API_KEY") or None
-    if a.drain_timeout <= 0 or a.max_body_bytes <= 0:
-        ap.error("--drain-timeout and --max-body-bytes must be positive")
+    limits = ("drain_timeout", "max_body_bytes", "body_timeout", "header_timeout", "keep_alive", "max_connections")
+    for name in limits:
+        if getattr(a, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive; got {getattr(a, name)}")
     return a
 
 
@@ -105,9 +116,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from laplace_jax.errors import UserError
     from laplace_jax.loading import cast_params, load_for_inference, newest_workdir
-    from laplace_jax.serve.engine import Engine, SamplingParams
+    from laplace_jax.serve.engine import Engine
+    from laplace_jax.serve.launch import make_uvicorn
     from laplace_jax.serve.metrics import ServeMetrics
-    from laplace_jax.serve.server import Server, make_uvicorn
+    from laplace_jax.serve.request import SamplingParams
+    from laplace_jax.serve.routes import Server
 
     try:
         path = a.checkpoint or newest_workdir()
@@ -143,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=a.api_key,
         protect_metrics=a.protect_metrics,
         max_body_bytes=a.max_body_bytes,
+        body_timeout=a.body_timeout,
         drain_timeout=a.drain_timeout,
     )
     print(
@@ -158,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  decode buckets (per device) {buckets}; prefill chunk {engine.prefill_chunk}")
     guarded = "/v1/* and /metrics" if a.protect_metrics else "/v1/*"
     print(f"  auth: {f'API key required on {guarded}' if a.api_key else 'off (no --api-key)'}")
-    make_uvicorn(server, a.host, a.port).run()
+    limits = {"header_timeout": a.header_timeout, "keep_alive": a.keep_alive, "max_connections": a.max_connections}
+    make_uvicorn(server, a.host, a.port, **limits).run()
     return 0
 
 

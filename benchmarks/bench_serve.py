@@ -38,8 +38,9 @@ from laplace_jax.data.tokenizer import ByteTokenizer
 from laplace_jax.models.gla_lm import init_params
 from laplace_jax.serve import bench
 from laplace_jax.serve.engine import Engine
+from laplace_jax.serve.launch import BackgroundServer
 from laplace_jax.serve.metrics import ServeMetrics, sample_sum
-from laplace_jax.serve.server import BackgroundServer, Server
+from laplace_jax.serve.routes import Server
 
 DEVICES = 1  # set from --devices
 
@@ -143,7 +144,7 @@ def decode_step_vs_context(cfg, params, width=4, repeats=30) -> dict:
     import numpy as np
 
     from laplace_jax.platform import median_seconds
-    from laplace_jax.serve.engine import Request, SamplingParams
+    from laplace_jax.serve.request import Request, SamplingParams
 
     out = {}
     for n in (128, 8192):

@@ -53,6 +53,11 @@ def _grad_range(r: dict, kernel: str, name: str) -> str:
     return f"{_sci(g['vs_torch_float64_min'])} to {_sci(g['vs_torch_float64_max'])} ({name})"
 
 
+def _rss(r: dict) -> str:
+    """A soak's RSS growth cell: "| 11.9 MB (564.1 -> "."""
+    return f"| {r['rss_growth_mb']:.1f} MB ({r['rss_before_mb']:.1f} -> "
+
+
 def _coll(r: dict, kind: str) -> float:
     return r["train_step_collectives_per_device"][kind]["bytes"]
 
@@ -151,6 +156,12 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
         lambda r: f"{r['configs']['tiny']['concurrency']['32']['output_throughput']:,.0f}",
     ),
     ("BENCHMARKS.md", "soak_cpu_tiny.json", lambda r: f"{r['requests']:,} requests"),
+    ("BENCHMARKS.md", "soak_cpu_tiny.json", _rss),
+    ("BENCHMARKS.md", "soak_cpu_tiny_6000.json", _rss),
+    ("BENCHMARKS.md", "soak_cpu_tiny_before.json", lambda r: f"against {r['rss_growth_mb']:.1f} MB before the serving"),
+    ("BENCHMARKS.md", "soak_cpu_tiny.json", lambda r: f"| {r['outcomes']['valid:ok']:,} / "),
+    ("BENCHMARKS.md", "decode_cost.json", lambda r: f"| {r['configs']['tiny']['ratio_median']:.3f} |"),
+    ("BENCHMARKS.md", "decode_cost.json", lambda r: f"| {r['configs']['small_100m']['ratio_median']:.3f} |"),
     (
         "BENCHMARKS.md",
         "serve_cpu_tiny.json",
@@ -213,6 +224,11 @@ LOCATIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("BENCHMARKS.md", "serve_cpu_roofline.json"): ("### Decode against the bandwidth roofline, and 8 devices",),
     ("BENCHMARKS.md", "serve_cpu_tiny.json"): ("## Serving (tiny model, random weights, CPU)",),
     ("BENCHMARKS.md", "soak_cpu_tiny.json"): ("## Serving soak (tiny model, random weights, CPU)",),
+    ("BENCHMARKS.md", "soak_cpu_tiny_6000.json"): ("## Serving soak (tiny model, random weights, CPU)",),
+    ("BENCHMARKS.md", "soak_cpu_tiny_before.json"): ("## Serving soak (tiny model, random weights, CPU)",),
+    ("BENCHMARKS.md", "decode_cost.json"): (
+        "### What logprobs, penalties and the other sampling controls cost a decode call",
+    ),
     ("BENCHMARKS.md", "train_cpu.json"): ("## Training step",),
     ("README.md", "import_memory.json"): ("## fla checkpoints",),
     ("README.md", "decode_memory_3b_bf16.json"): ("## Serving",),

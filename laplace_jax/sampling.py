@@ -1,4 +1,5 @@
-"""On-device sampling with per-row parameters (greedy, temperature, top-k, top-p, seed)."""
+"""On-device sampling with per-row parameters (greedy, temperature, top-k, top-p, min-p, seed),
+the penalties that act on the logits before it, and the logprobs reported to clients."""
 
 from __future__ import annotations
 
@@ -9,10 +10,55 @@ Array = jax.Array
 
 
 CANDIDATES = 1024  # top-k and top-p act on this many most likely tokens per row (at most the vocabulary)
+TOP_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's limit)
 
 
-def sample_rows(logits_WxV: Array, temperature_W: Array, top_k_W: Array, top_p_W: Array, keys_W: Array) -> Array:
-    """One token per row. temperature <= 0: argmax; top_k 0: off; top_p 1: off. keys: typed PRNG keys [W].
+def token_logprobs(logits_WxV: Array, token_W: Array) -> tuple[Array, Array, Array]:
+    """The model's own log-probabilities (log-softmax of the raw logits, before penalties and
+    temperature, as vLLM reports by default): (logprob of ``token`` [W], the TOP_LOGPROBS most
+    likely ids [W, k] and their logprobs [W, k], k = min(TOP_LOGPROBS, V)). Leading axes may be
+    any shape; the vocabulary is the last."""
+    lsm = jax.nn.log_softmax(logits_WxV.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lsm, token_W[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    top_lp, top_ids = jax.lax.top_k(lsm, min(TOP_LOGPROBS, lsm.shape[-1]))
+    return chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def penalize(logits_WxV: Array, rows: dict[str, Array]) -> Array:
+    """vLLM's penalties, per row: ``repetition`` divides positive and multiplies negative logits of
+    tokens in ``seen`` (the prompt) or ``counts`` (the output so far); ``frequency`` x count and
+    ``presence`` x (count > 0) are subtracted; ``bias`` [W, V] is added; while ``count`` (tokens
+    generated) is below ``min_tokens`` the tokens of ``stop_mask`` [W, V] (the stop ids) are masked. Neutral
+    values (1, 0, 0, zeros, 0) return the logits unchanged, bit for bit."""
+    logits = logits_WxV.astype(jnp.float32)
+    counts = rows["counts"]
+    used = counts > 0
+    rep = rows["repetition"][:, None]
+    hit = rows["seen"] | used
+    logits = jnp.where(hit, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - rows["frequency"][:, None] * counts - rows["presence"][:, None] * used
+    logits = logits + rows["bias"]
+    early = (rows["count"] < rows["min_tokens"])[:, None]
+    return jnp.where(early & rows["stop_mask"], -jnp.inf, logits)
+
+
+def count_tokens(counts_WxV: Array, token_W: Array, valid_W: Array) -> Array:
+    """Add each row's new token to its output counts (a comparison, not a scatter: Neuron-friendly)."""
+    vocab = jnp.arange(counts_WxV.shape[-1], dtype=jnp.int32)
+    return counts_WxV + ((vocab[None, :] == token_W[:, None]) & valid_W[:, None]).astype(counts_WxV.dtype)
+
+
+def sample_rows(
+    logits_WxV: Array,
+    temperature_W: Array,
+    top_k_W: Array,
+    top_p_W: Array,
+    keys_W: Array,
+    min_p_W: Array | None = None,
+) -> Array:
+    """One token per row. temperature <= 0: argmax; top_k 0: off; top_p 1: off; min_p 0: off
+    (min_p keeps tokens whose probability is at least min_p x the most likely one's). keys:
+    typed PRNG keys [W].
 
     No sort of the vocabulary (Neuron supports only plain comparators, and a sort of every row
     cost 9% of a 3B decode step's bytes): ``lax.top_k`` takes the ``CANDIDATES`` most likely
@@ -32,6 +78,8 @@ def sample_rows(logits_WxV: Array, temperature_W: Array, top_k_W: Array, top_p_W
     cutoff = jnp.min(jnp.where(before < top_p_W[:, None], top, jnp.inf), axis=-1, keepdims=True)  # smallest kept
     limited = (top_k_W > 0) | (top_p_W < 1.0)
     threshold = jnp.where(limited[:, None], jnp.maximum(kth, cutoff), -jnp.inf)
+    if min_p_W is not None:  # p_i >= min_p * p_max  <=>  scaled_i >= scaled_max + log(min_p)
+        threshold = jnp.maximum(threshold, top[:, :1] + jnp.log(min_p_W)[:, None])
     masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
     drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys_W, masked)
     return jnp.where(temperature_W <= 0, greedy, drawn).astype(jnp.int32)

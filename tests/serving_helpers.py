@@ -8,8 +8,9 @@ import portpicker
 from laplace_jax import ModelConfig, decode_step, init_params, init_state
 from laplace_jax.data.tokenizer import ByteTokenizer
 from laplace_jax.serve.engine import Engine
+from laplace_jax.serve.launch import BackgroundServer
 from laplace_jax.serve.metrics import ServeMetrics
-from laplace_jax.serve.server import BackgroundServer, Server
+from laplace_jax.serve.routes import Server
 
 CFG = ModelConfig(
     vocab_size=256, d_model=64, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.3, max_seq_len=512
@@ -35,12 +36,14 @@ def reference_greedy(ids, n, eos_id=TOK.eos_id, params=PARAMS):
 
 
 class Running(BackgroundServer):
-    """The tiny model served as "tiny"; ``server_kw`` go to ``Server``, the rest to ``Engine``."""
+    """The tiny model served as "tiny"; ``server_kw`` go to ``Server``, ``uvicorn_kw`` to
+    ``make_uvicorn``, the rest to ``Engine``."""
 
-    def __init__(self, tokenizer=TOK, server_kw=None, eos_id=TOK.eos_id, **engine_kw):
+    def __init__(self, tokenizer=TOK, server_kw=None, eos_id=TOK.eos_id, uvicorn_kw=None, **engine_kw):
         engine_kw.setdefault("max_model_len", 512)
         self.engine = Engine(CFG, PARAMS, eos_id=eos_id, metrics=ServeMetrics(), **engine_kw)
-        super().__init__(Server(self.engine, tokenizer, "tiny", **(server_kw or {})), portpicker.pick_unused_port())
+        server = Server(self.engine, tokenizer, "tiny", **(server_kw or {}))
+        super().__init__(server, portpicker.pick_unused_port(), **(uvicorn_kw or {}))
 
     def client(self):
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)

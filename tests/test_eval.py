@@ -24,7 +24,8 @@ from laplace_jax.eval.numerics import report
 from laplace_jax.eval.recall import answer_token, model_answers, score
 from laplace_jax.generate import sample
 from laplace_jax.loss import loss_fn
-from laplace_jax.serve.engine import Engine, Request, SamplingParams
+from laplace_jax.serve.engine import Engine
+from laplace_jax.serve.request import Request, SamplingParams
 from laplace_jax.tasks.recall import max_pairs, mqar, passkey, suite
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,7 @@ import pytest
 
 from laplace_jax.errors import InvalidParamError
 from laplace_jax.sampling import sample_rows
-from laplace_jax.serve.engine import SamplingParams, prng_key_data
+from laplace_jax.serve.request import SamplingParams, prng_key_data
 
 PROBS = np.array([0.30, 0.22, 0.16, 0.12, 0.09, 0.06, 0.03, 0.02])  # sorted, distinct
 LOGITS = np.log(PROBS)[np.random.default_rng(0).permutation(8)]  # shuffled so order is not by index

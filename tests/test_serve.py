@@ -151,7 +151,13 @@ def test_disconnect_frees_slot(srv):
         ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
         ({"model": "nope", "prompt": "x"}, 404, "model"),
         ({"model": "tiny", "prompt": "x" * 600, "max_tokens": 4}, 400, "prompt"),
-        ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": "tiny", "prompt": "x", "n": 5}, 400, "n"),  # more than the 4 slots of a device
+        ({"model": "tiny", "prompt": "x", "n": 2, "best_of": 1}, 400, "n"),
+        ({"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "suffix"),
+        ({"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ({"model": "tiny", "prompt": "x", "logit_bias": {"256": 1}}, 400, "logit_bias"),
+        ({"model": "tiny", "prompt": "x", "min_tokens": 5, "max_tokens": 4}, 400, "min_tokens"),
     ],
 )
 def test_bad_requests_get_openai_errors(srv, body, status, param):

@@ -6,8 +6,9 @@ import time
 import jax
 from serving_helpers import CFG, PARAMS, TOK, reference_greedy
 
-from laplace_jax.serve.engine import Engine, Request, SamplingParams
+from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.metrics import ServeMetrics
+from laplace_jax.serve.request import Request, SamplingParams
 
 PROMPTS = [f"request {i}: " + "abc" * (i % 4) for i in range(20)]
 

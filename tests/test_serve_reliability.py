@@ -161,7 +161,8 @@ def test_a_failing_prefill_ends_only_that_request(srv):
 def test_a_throwing_client_callback_does_not_stop_the_engine():
     from serving_helpers import CFG, PARAMS
 
-    from laplace_jax.serve.engine import Engine, Request, SamplingParams
+    from laplace_jax.serve.engine import Engine
+    from laplace_jax.serve.request import Request, SamplingParams
 
     eng = Engine(CFG, PARAMS, eos_id=0, max_num_seqs=2, prefill_chunk=16)
     eng.warmup()
@@ -393,29 +394,52 @@ json_values = st.recursive(
     max_leaves=8,
 )
 small_ints = st.integers(min_value=-3, max_value=40)
+texts = st.text(max_size=30) | st.sampled_from(["\ud800", "a\udfffb", "<|assistant|>", "\0"])
 FIELDS = {
-    "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 300), max_size=8) | json_values,
+    "prompt": texts
+    | st.lists(st.integers(-5, 300), max_size=8)
+    | st.lists(st.lists(st.integers(-5, 300), max_size=6), max_size=5)
+    | st.lists(texts, max_size=5)
+    | json_values,
     "max_tokens": small_ints | json_values,
     "temperature": st.floats(-1, 3) | json_values,
     "top_p": st.floats(-0.5, 1.5) | json_values,
     "top_k": small_ints | json_values,
+    "min_p": st.floats(-0.5, 1.5) | json_values,
     "seed": st.integers(-(2**65), 2**65) | json_values,
     "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=10) | json_values,
     "stop_token_ids": st.lists(st.integers(-2, 2**41), max_size=20) | json_values,
+    "include_stop_str_in_output": st.booleans() | json_values,
     "stream": st.booleans() | json_values,
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values,
-    "n": small_ints | json_values,
+    "n": small_ints | st.integers(-(2**70), 2**70) | json_values,
+    "best_of": small_ints | json_values,
     "echo": st.booleans() | json_values,
     "ignore_eos": st.booleans() | json_values,
-    "logprobs": st.none() | json_values,
-    "repetition_penalty": st.floats(0, 2) | json_values,
+    "logprobs": st.none() | st.booleans() | small_ints | json_values,
+    "top_logprobs": small_ints | json_values,
+    "prompt_logprobs": small_ints | json_values,
+    "min_tokens": small_ints | json_values,
+    "presence_penalty": st.floats(-3, 3) | json_values,
+    "frequency_penalty": st.floats(-3, 3) | json_values,
+    "repetition_penalty": st.floats(-1, 12) | json_values,
+    "logit_bias": st.dictionaries(st.integers(-3, 300).map(str) | st.text(max_size=3), st.floats(-200, 200), max_size=4)
+    | json_values,
+    "suffix": st.none() | st.text(max_size=3) | json_values,
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "x"])}) | json_values,
     "messages": st.lists(
-        st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]), "content": st.text(max_size=10)}),
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "system", "developer", "assistant", "x"]),
+                "content": texts
+                | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}), max_size=2),
+            }
+        ),
         max_size=3,
     )
     | json_values,
     "max_completion_tokens": small_ints | json_values,
-    "user": json_values,
+    "user": json_values | st.just("tokenize"),
     "bogus": json_values,
 }
 
@@ -439,6 +463,8 @@ def bodies(draw):
 def test_fuzzed_bodies_never_hurt_the_server(srv, case):
     chat, body = case
     path = "/v1/chat/completions" if chat else "/v1/completions"
+    if isinstance(body, dict) and body.get("user") == "tokenize":  # the tokenizer routes take the same bodies
+        path = "/tokenize"
     r = httpx.post(srv.url + path, content=json.dumps(body, allow_nan=True), timeout=60)
     assert 200 <= r.status_code < 500, (r.status_code, r.text[:300])
     if r.status_code >= 400:
@@ -446,8 +472,10 @@ def test_fuzzed_bodies_never_hurt_the_server(srv, case):
         assert err["code"] == r.status_code and err["message"] and err["type"]
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.rstrip().endswith("data: [DONE]")
+    elif path == "/tokenize":
+        assert isinstance(r.json()["tokens"], list)
     else:
-        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        assert r.json()["choices"] and all(c["finish_reason"] in ("stop", "length") for c in r.json()["choices"])
     assert httpx.get(srv.url + "/health").status_code == 200
 
 

@@ -21,6 +21,7 @@ class Tokenizer(Protocol):
     spec: str
     vocab_size: int
     eos_id: int
+    eos_token: str  # the end token's text (the server's /tokenize recognises it in text)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -33,6 +34,7 @@ class ByteTokenizer:
     spec = "byte"
     vocab_size = 256
     eos_id = 0
+    eos_token = "\0"
 
     def encode(self, text: str) -> list[int]:
         return list(text.replace("\0", "").encode("utf-8"))
@@ -56,6 +58,7 @@ class HFTokenizer:
         if not ids:
             raise ValueError(f"{path}: no EOS token found among {candidates}; pass eos_token")
         self.eos_id = ids[0]
+        self.eos_token = self._tok.id_to_token(self.eos_id)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

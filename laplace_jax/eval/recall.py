@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from laplace_jax.serve.engine import Request, SamplingParams
+from laplace_jax.serve.request import SamplingParams
 from laplace_jax.tasks.recall import Sample
 
 
@@ -41,20 +41,11 @@ def model_answers(
     ``on_done`` is called (from the engine loop) as each prompt finishes, e.g. to move a progress bar."""
 
     def answer(samples: list[Sample]) -> list[str]:
-        engine = engine_factory()
-        engine.warmup()
-        outs: list[list[int]] = [[] for _ in samples]
-        for i, s in enumerate(samples):
-            n = len(tokenizer.encode(s.answer))  # exactly the answer's tokens: nothing after it is scored
-
-            def emit(toks, reason, i=i):
-                outs[i].extend(toks)
-                if reason is not None and on_done is not None:
-                    on_done()
-
-            engine.submit(Request(tokenizer.encode(s.prompt), SamplingParams(max_tokens=n, temperature=0.0), emit))
-        engine.run_until_idle()
-        return [tokenizer.decode(o) for o in outs]
+        prompts = [tokenizer.encode(s.prompt) for s in samples]
+        # exactly the answer's tokens: nothing after it is scored
+        sps = [SamplingParams(max_tokens=len(tokenizer.encode(s.answer)), temperature=0.0) for s in samples]
+        done = None if on_done is None else (lambda _i: on_done())
+        return [tokenizer.decode(c.tokens) for c in engine_factory().generate(prompts, sps, done)]
 
     return answer
 

@@ -69,12 +69,14 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.pending = ""
+        self.matched: str | None = None  # the stop string that was hit
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """(text safe to send, whether a stop string was hit: then nothing after it is sent)."""
         buf = self.pending + delta
-        hit = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if hit >= 0:
+        found = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if found:
+            hit, self.matched = min(found, key=lambda f: (f[0], -len(f[1])))
             self.pending = ""
             return buf[:hit], True
         keep = next((k for k in range(min(self.hold, len(buf)), 0, -1) if self._could_start(buf[-k:])), 0)

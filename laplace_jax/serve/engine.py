@@ -24,7 +24,6 @@ again; more than ``MAX_RESTARTS`` within ``RESTART_WINDOW_S`` marks the engine d
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import threading
 import time
@@ -36,88 +35,15 @@ import numpy as np
 
 from laplace_jax.config import ModelConfig
 from laplace_jax.errors import InvalidParamError, QueueFullError
-from laplace_jax.platform import key_words, prng_impl
-from laplace_jax.sampling import CANDIDATES
+from laplace_jax.platform import prng_impl
 from laplace_jax.serve.compiles import CompileCounter
-from laplace_jax.serve.programs import MAX_STOP_IDS, DevicePrograms
+from laplace_jax.serve.programs import DevicePrograms
+from laplace_jax.serve.request import MAX_SEED, Completion, Request, SamplingParams, prng_key_data
 
 if TYPE_CHECKING:  # a type only: eval runs the engine without metrics
     from laplace_jax.serve.metrics import ServeMetrics
 
-MAX_SEED = 2**63 - 1
-MAX_TEMPERATURE = 2.0
 MAX_RESTARTS, RESTART_WINDOW_S = 3, 600.0
-
-
-@dataclasses.dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def check(self, vocab_size: int) -> None:
-        """Raise ``InvalidParamError`` for any field outside its documented range."""
-        if self.max_tokens < 1:
-            raise InvalidParamError("max_tokens", f"max_tokens must be >= 1; got {self.max_tokens}")
-        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
-            raise InvalidParamError(
-                "temperature", f"temperature must lie in [0, {MAX_TEMPERATURE}]; got {self.temperature}"
-            )
-        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
-            raise InvalidParamError("top_p", f"top_p must lie in (0, 1]; got {self.top_p}")
-        top_k_max = min(vocab_size, CANDIDATES)
-        if not 0 <= self.top_k <= top_k_max:
-            raise InvalidParamError("top_k", f"top_k must lie in [0, {top_k_max}] (0 = off); got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise InvalidParamError("seed", f"seed must lie in [0, 2^63 - 1]; got {self.seed}")
-        if len(self.stop_token_ids) > MAX_STOP_IDS - 1:
-            raise InvalidParamError("stop_token_ids", f"at most {MAX_STOP_IDS - 1} stop_token_ids")
-        if any(not 0 <= t < vocab_size for t in self.stop_token_ids):
-            raise InvalidParamError("stop_token_ids", f"stop_token_ids must lie in [0, {vocab_size})")
-
-
-def prng_key_data(seed: int, impl: str = "threefry2x32") -> np.ndarray:
-    """Key data of ``jax.random.key(seed, impl=impl)`` for 0 <= seed < 2^64, built on the host (no
-    device op, so nothing compiles per request): the high and low 32-bit words (threefry2x32),
-    twice over for rbg and unsafe_rbg (JAX seeds those from the threefry words)."""
-    words = [seed >> 32, seed & 0xFFFFFFFF]
-    return np.asarray(words * (key_words(impl) // 2), np.uint32)
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """``emit(tokens, finish_reason)`` is called from the engine thread: new token ids, then a reason.
-
-    Reasons: "stop", "length", "abort" (cancelled), "shutdown" (the drain deadline passed) and
-    "error" (then ``error`` says why).
-    """
-
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    emit: Callable[[list[int], str | None], None]
-    id: str = ""
-    cancelled: bool = False
-    arrival: float = dataclasses.field(default_factory=time.perf_counter)
-    stops: frozenset[int] = frozenset()  # EOS (unless ignore_eos) + stop_token_ids, set at admission
-    started_at: float | None = None
-    first_token_at: float | None = None
-    generated: int = 0
-    error: str | None = None
-
-    def send(self, tokens: list[int], reason: str | None) -> None:
-        """``emit`` that cannot hurt the engine: a failing callback cancels this request only."""
-        try:
-            self.emit(tokens, reason)
-        except Exception:
-            self.cancelled = True
-
-    def fail(self, message: str) -> None:
-        self.error = message
-        self.send([], "error")
 
 
 def make_buckets(spec: str | list[int], max_num_seqs: int) -> list[int] | None:
@@ -172,7 +98,7 @@ class Engine:
         self.restarts = 0
         self.restarting: str | None = None  # the failure being recovered from
         self._restart_times: collections.deque[float] = collections.deque()
-        self._waiting: collections.deque[Request] = collections.deque()
+        self._waiting: collections.deque[list[Request]] = collections.deque()  # groups sharing a prompt
         # live requests: rows[d][i] is in slot i of device d
         self._rows: list[list[Request]] = [[] for _ in range(self.n_devices)]
         self._admitting: list[Request] = []
@@ -191,11 +117,6 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
-
-    @property
-    def num_slots(self) -> int:
-        """Decode slots over all devices."""
-        return self.n_devices * self.slots_per_device
 
     def status(self) -> tuple[str, str]:
         """("ready" | "warming" | "restarting" | "dead", a sentence saying why)."""
@@ -239,7 +160,11 @@ class Engine:
         n = len(prompt_ids)
         if n == 0:
             raise InvalidParamError("prompt", "the prompt is empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+        try:
+            ids = np.asarray(prompt_ids, np.int64)
+        except OverflowError:
+            ids = np.asarray([-1])
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise InvalidParamError("prompt", f"prompt token ids must lie in [0, {self.vocab_size})")
         if n >= self.max_model_len:
             raise InvalidParamError(
@@ -252,20 +177,87 @@ class Engine:
                 f"ask for at most {self.max_model_len - n} tokens",
             )
 
-    def submit(self, req: Request) -> None:
-        """Queue a request (thread-safe). Raises ``InvalidParamError`` or ``QueueFullError``."""
-        self.check(req.prompt_ids, req.sampling)
+    def submit(self, *group: Request) -> None:
+        """Queue a request, or a group that shares one prompt (``n`` / ``best_of``: prefilled once,
+        its state copied into one slot per member, all on one device). Thread-safe. Raises
+        ``InvalidParamError`` or ``QueueFullError``."""
+        if not group or any(r.prompt_ids != group[0].prompt_ids for r in group):
+            raise ValueError("a group's requests must share one prompt")
+        if len(group) > self.slots_per_device:
+            raise InvalidParamError(
+                "n", f"n and best_of must be at most {self.slots_per_device} (the slots per device); got {len(group)}"
+            )
+        for r in group:
+            self.check(r.prompt_ids, r.sampling)
         with self._cv:
             if self._draining:
                 raise QueueFullError("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"{len(self._waiting)} requests already waiting")
-            self._waiting.append(req)
+            waiting = self._waiting_count()
+            if waiting + len(group) > self.max_queue:
+                raise QueueFullError(f"{waiting} requests already waiting")
+            self._waiting.append(list(group))
             self._cv.notify()
+
+    def cancel(self, *requests: Request) -> None:
+        """Cancel requests (thread-safe): a queued one leaves the queue at once, a running one
+        frees its slot before the next decode call. Each gets "abort" if it had not finished."""
+        with self._cv:
+            for r in requests:
+                r.cancelled = True
+            gone = [g for g in self._waiting if all(r.cancelled for r in g)]
+            for g in gone:
+                self._waiting.remove(g)
+        for g in gone:
+            for r in g:
+                r.send([], "abort")
+
+    def _waiting_count(self) -> int:
+        return sum(len(g) for g in self._waiting)
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting) requests."""
-        return sum(len(r) for r in self._rows), len(self._waiting)
+        return sum(len(r) for r in self._rows), self._waiting_count()
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams | list[SamplingParams],
+        on_done: Callable[[int], None] | None = None,
+    ) -> list[Completion]:
+        """Serve ``prompts`` to completion on the calling thread (batch jobs, evals; not while
+        ``serve_forever`` runs): one ``Completion`` per prompt, in order. Warms up first if needed.
+        ``on_done(i)`` is called as prompt i finishes (a progress bar). A request that fails
+        raises ``RuntimeError`` with its reason."""
+        if not self.ready:
+            self.warmup()
+        sps = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        outs = [Completion([], "", [], None, 0.0) for _ in prompts]
+        reqs = []
+        for i, (ids, sp, out) in enumerate(zip(prompts, sps, outs, strict=True)):
+
+            def emit(tokens, reason, out=out, i=i):
+                out.tokens.extend(tokens)
+                if reason is not None:
+                    out.finish_reason = reason
+                    if on_done is not None:
+                        on_done(i)
+
+            reqs.append(Request(list(ids), sp, emit))
+        self.compiles.claim_thread()
+        for r in reqs:
+            while self.counts()[1] >= self.max_queue:
+                self._step()
+            self.submit(r)
+        self.run_until_idle()
+        for r, out in zip(reqs, outs, strict=True):
+            out.logprobs, out.prompt_logprobs, out.cumulative_logprob = (
+                r.logprobs,
+                r.prompt_logprobs,
+                r.cumulative_logprob,
+            )
+            if out.finish_reason == "error":
+                raise RuntimeError(r.error)
+        return outs
 
     def bucket_for(self, n: int) -> int:
         return n if self.buckets is None else next(w for w in self.buckets if w >= n)
@@ -332,7 +324,7 @@ class Engine:
 
     def _end_all(self, reason: str, message: str | None = None) -> None:
         with self._cv:
-            waiting, self._waiting = list(self._waiting), collections.deque()
+            waiting, self._waiting = [r for g in self._waiting for r in g], collections.deque()
         for r in [*self._live(), *waiting]:
             if reason == "error":
                 r.fail(message or "the engine failed")
@@ -373,53 +365,75 @@ class Engine:
         """The token ids that end a request (the same list the device checks)."""
         return ([] if sp.ignore_eos else [self.eos_id]) + list(sp.stop_token_ids)
 
-    def _row_params(self, sp: SamplingParams) -> dict:
+    def _row_params(self, req: Request) -> dict:
+        sp, V = req.sampling, self.vocab_size
         stops = self._stop_ids(sp)
         seed = sp.seed if sp.seed is not None else int(self._seeds.integers(0, MAX_SEED, endpoint=True))
+        bias = np.zeros((V,), np.float32)
+        if sp.logit_bias:
+            bias[list(sp.logit_bias)] = list(sp.logit_bias.values())
+        seen = np.zeros((V,), bool)
+        if sp.repetition_penalty != 1.0:
+            seen[req.prompt_ids] = True
+        stop_mask = np.zeros((V,), bool)
+        stop_mask[stops] = True
         return {
             "temperature": np.float32(sp.temperature),
             "top_k": np.int32(sp.top_k),
             "top_p": np.float32(sp.top_p),
+            "min_p": np.float32(sp.min_p),
             "key": prng_key_data(seed, self.prng_impl),
             "remaining": np.int32(sp.max_tokens - 1),
-            "stop_ids": np.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), np.int32),
+            "min_tokens": np.int32(sp.min_tokens),
+            "presence": np.float32(sp.presence_penalty),
+            "frequency": np.float32(sp.frequency_penalty),
+            "repetition": np.float32(sp.repetition_penalty),
+            "bias": bias,
+            "seen": seen,
+            "stop_mask": stop_mask,
         }
 
-    def _place(self) -> dict[int, Request]:
-        """Take up to one waiting request per device with a free slot, least-loaded devices first."""
+    def _place(self) -> dict[int, list[Request]]:
+        """Take up to one waiting group per device with room for it, least-loaded devices first,
+        in arrival order (a group that fits nowhere yet waits, and so does everything behind it)."""
         free = sorted((len(rows), d) for d, rows in enumerate(self._rows) if len(rows) < self.slots_per_device)
-        placed: dict[int, Request] = {}
+        placed: dict[int, list[Request]] = {}
         with self._cv:
-            for _, d in free:
+            for used, d in free:
                 while self._waiting and not self._stop:
-                    req = self._waiting.popleft()
-                    if req.cancelled:
-                        req.send([], "abort")
+                    group = self._waiting[0]
+                    if all(r.cancelled for r in group):
+                        self._waiting.popleft()
+                        for r in group:
+                            r.send([], "abort")
                         continue
-                    placed[d] = req
+                    if len(group) <= self.slots_per_device - used:
+                        placed[d] = self._waiting.popleft()
                     break
         return placed
 
-    def _prepare(self, placed: dict[int, Request]):
-        """Prefill the placed prompts together; on failure retry each alone and end only those that
-        fail alone. Returns (states, logits, {device: (slot, sampling row)}) or None if none is left."""
+    def _prepare(self, placed: dict[int, list[Request]]):
+        """Prefill each placed group's prompt once (all devices together); on failure retry each
+        alone and end only those that fail alone. Returns (states, logits) or None if none is left."""
         try:
-            state, logits = self.programs.prefill_rows({d: r.prompt_ids for d, r in placed.items()})
-            rows = {d: self._row_params(r.sampling) for d, r in placed.items()}
+            score = any(r.sampling.prompt_logprobs is not None for g in placed.values() for r in g)
+            state, logits, scores = self.programs.prefill_rows({d: g[0].prompt_ids for d, g in placed.items()}, score)
+            for d, group in placed.items():
+                for r in group:
+                    r.stops = frozenset(self._stop_ids(r.sampling))
+                    k = r.sampling.prompt_logprobs
+                    if k is not None:
+                        r.prompt_logprobs = [e and (e[0], e[1][:k], e[2][:k]) for e in scores[d]]
         except Exception as e:
             if len(placed) == 1:
-                (req,) = placed.values()
-                req.fail(f"this request failed during prefill: {type(e).__name__}: {e}")
+                for req in next(iter(placed.values())):
+                    req.fail(f"this request failed during prefill: {type(e).__name__}: {e}")
                 return None
-            for d, req in list(placed.items()):  # isolate the failing request(s)
-                if self._prepare({d: req}) is None:
+            for d, group in list(placed.items()):  # isolate the failing group(s)
+                if self._prepare({d: group}) is None:
                     del placed[d]
-            if not placed:
-                return None
-            return self._prepare(placed)
-        for req in placed.values():
-            req.stops = frozenset(self._stop_ids(req.sampling))
-        return state, logits, {d: (len(self._rows[d]), rows[d]) for d in placed}
+            return self._prepare(placed) if placed else None
+        return state, logits
 
     def _admit(self) -> None:
         while True:
@@ -427,32 +441,54 @@ class Engine:
             if not placed:
                 return
             now = time.perf_counter()
-            for req in placed.values():
-                req.started_at = now
-            self._admitting = list(placed.values())
+            for group in placed.values():
+                for req in group:
+                    req.started_at = now
+            self._admitting = [r for g in placed.values() for r in g]
             prepared = self._prepare(dict(placed))
             if prepared is None:
                 self._admitting = []
                 continue
-            state, logits, where = prepared
-            first = self.programs.insert(state, logits, where)  # shared buffers: failures go to _recover
+            state, logits = prepared
+            for group in placed.values():  # max_tokens 0: the prompt's scores are all it asked for
+                for r in [r for r in group if r.sampling.max_tokens == 0]:
+                    group.remove(r)
+                    r.send([], "length")
+            for k in range(max(len(g) for g in placed.values())):  # member k of every group, one insert
+                members = {d: g[k] for d, g in placed.items() if k < len(g)}
+                if members:
+                    self._insert(state, logits, members)
             self._admitting = []
-            now = time.perf_counter()
-            for d in where:
-                req, tok = placed[d], int(first[d])
-                req.first_token_at = now
-                if self.metrics is not None:
-                    self.metrics.on_first_token(req)
-                finished = self._accept(req, tok)
-                req.send([] if finished == "stop" else [tok], finished)
-                if finished is None:  # else its slot stays past the live ones, to be overwritten
-                    self._rows[d].append(req)
 
-    def _accept(self, req: Request, token: int) -> str | None:
-        """Count one generated token; return the finish reason it causes (stop tokens are not emitted)."""
+    def _insert(self, state, logits, members: dict[int, Request]) -> None:
+        """Copy the prefilled state into a new slot per device for ``members``; emit first tokens."""
+        where = {d: (len(self._rows[d]), self._row_params(r)) for d, r in members.items()}
+        first, lps = self.programs.insert(state, logits, where)  # failures go to _recover
+        lp, top_ids, top_lp = _read_if(lps, members.values())
+        now = time.perf_counter()
+        for d, req in members.items():
+            tok = int(first[d])
+            req.first_token_at = now
+            if self.metrics is not None:
+                self.metrics.on_first_token(req)
+            finished = self._accept(req, tok, lp is not None and (float(lp[d]), top_ids[d], top_lp[d]))
+            req.send([] if finished == "stop" else [tok], finished)
+            if finished is None:  # else its slot stays past the live ones, to be overwritten
+                self._rows[d].append(req)
+
+    def _accept(self, req: Request, token: int, scored) -> str | None:
+        """Count one generated token and its (logprob, top ids, top logprobs) (False when no live
+        request asked for them); return the finish reason it causes (stop tokens are not emitted,
+        nor their logprobs)."""
         req.generated += 1
         if token in req.stops:
             return "stop"
+        if scored:
+            lp, top_ids, top_lp = scored
+            req.cumulative_logprob += lp
+            k = req.sampling.logprobs
+            if k is not None:
+                req.logprobs.append((lp, top_ids[:k].tolist(), top_lp[:k].tolist()))
         if req.generated >= req.sampling.max_tokens:
             return "length"
         return None
@@ -483,7 +519,8 @@ class Engine:
         W = self.bucket_for(max(live))
         t0 = time.perf_counter()
         self._ensure_decode(W)
-        toks, valid = self.programs.decode(W)
+        toks, valid, lps = self.programs.decode(W)
+        lp, top_ids, top_lp = _read_if(lps, self._live())
         done: dict[int, list[int]] = {}
         for d, rows in enumerate(self._rows):
             for i, req in enumerate(rows):
@@ -492,7 +529,8 @@ class Engine:
                     if not valid[k, d, i]:
                         break
                     t = int(toks[k, d, i])
-                    reason = self._accept(req, t)
+                    scored = lp is not None and (float(lp[k, d, i]), top_ids[k, d, i], top_lp[k, d, i])
+                    reason = self._accept(req, t, scored)
                     if reason != "stop":
                         out.append(t)
                     if reason:
@@ -505,3 +543,11 @@ class Engine:
             self.metrics.on_decode(W, live, time.perf_counter() - t0, self.steps_per_call)
         if done:
             self._free(done)
+
+
+def _read_if(lps: tuple, requests) -> tuple:
+    """The device's logprob outputs on the host if any of ``requests`` uses them, else Nones (a
+    device-to-host copy saved on every call that nobody reads)."""
+    if any(r.wants_logprobs for r in requests):
+        return tuple(np.asarray(x) for x in lps)
+    return None, None, None

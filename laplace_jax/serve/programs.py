@@ -5,9 +5,11 @@ Slots: D devices x S slots each. Every slot buffer has its slot axis of size D *
 program is one SPMD executable over all D devices, AOT-compiled at warmup:
 
   prefill   tokens [D, P] (row d for device d; length 0 = no request) -> states [D], last logits [D, V]
+  score     prefill that also scores each position's next token (prompt logprobs: echo, lm-eval)
   insert    row d's prefilled state and sampling row into device d's local slot i_d (i_d < 0: none);
-            samples the first tokens
-  decode[W] ``steps`` tokens for the first W local slots of every device (W: the per-device bucket)
+            samples the first tokens (and their logprobs)
+  decode[W] ``steps`` tokens (and their logprobs) for the first W local slots of every device
+            (W: the per-device bucket)
   move      per device, copy local slot src_d into dst_d (compaction; src_d == dst_d: nothing)
 
 Every program works on the per-device view [.., D, S, ..] of the slot axis, so no data crosses
@@ -28,28 +30,53 @@ from jax.sharding import PartitionSpec as P
 from laplace_jax.config import ModelConfig
 from laplace_jax.models.gla_lm import decode_step, init_state, pack_weights, prefill
 from laplace_jax.platform import key_words
-from laplace_jax.sampling import sample_rows
+from laplace_jax.sampling import count_tokens, penalize, sample_rows, token_logprobs
 
-MAX_STOP_IDS = 16  # EOS + up to 15 stop_token_ids per request, checked on device
 MODEL_SLOT_AXIS = 1  # state leaves are [L, slots, ...]
 
 
-def row_template(prng: str) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
-    """Per-slot sampling fields: name -> (shape, dtype, idle value); ``prng``: the keys' implementation."""
+def row_template(prng: str, vocab_size: int) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
+    """Per-slot sampling fields: name -> (shape, dtype, idle value); ``prng``: the keys' implementation.
+
+    The vocabulary-wide rows (``bias``, ``seen``, ``stop_mask``, ``counts``) hold the penalties'
+    inputs: 10 bytes per token id per slot (0.5 MB per slot for the 3B model's 50,304 ids, 1.7% of
+    its 29.5 MB state)."""
     return {
         "token": ((), jnp.int32, 0),
         "temperature": ((), jnp.float32, 0.0),
         "top_k": ((), jnp.int32, 0),
         "top_p": ((), jnp.float32, 1.0),
+        "min_p": ((), jnp.float32, 0.0),
         "key": ((key_words(prng),), jnp.uint32, 0),
         "count": ((), jnp.int32, 0),
         "remaining": ((), jnp.int32, 0),
-        "stop_ids": ((MAX_STOP_IDS,), jnp.int32, -1),
+        "min_tokens": ((), jnp.int32, 0),
+        "presence": ((), jnp.float32, 0.0),
+        "frequency": ((), jnp.float32, 0.0),
+        "repetition": ((), jnp.float32, 1.0),
+        "bias": ((vocab_size,), jnp.float32, 0.0),
+        "seen": ((vocab_size,), jnp.bool_, False),
+        "stop_mask": ((vocab_size,), jnp.bool_, False),
+        "counts": ((vocab_size,), jnp.int32, 0),
         "done": ((), jnp.bool_, True),
     }
 
 
-REQUEST_FIELDS = ("temperature", "top_k", "top_p", "key", "remaining", "stop_ids")  # set per request at insert
+REQUEST_FIELDS = (  # set per request at insert; the rest are the decode loop's own
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "key",
+    "remaining",
+    "min_tokens",
+    "presence",
+    "frequency",
+    "repetition",
+    "bias",
+    "seen",
+    "stop_mask",
+)
 
 
 def _split(x: jax.Array, axis: int, D: int) -> jax.Array:
@@ -103,28 +130,42 @@ class DevicePrograms:
     def new_slots(self) -> dict:
         """Fresh slot buffers (every slot idle), sharded over the devices."""
         n = self.D * self.S
-        rows = {k: np.full((n, *shape), idle, dtype) for k, (shape, dtype, idle) in row_template(self.prng).items()}
+        rows = {
+            k: np.full((n, *shape), idle, dtype)
+            for k, (shape, dtype, idle) in row_template(self.prng, self.cfg.vocab_size).items()
+        }
         return {
             "model": self._put_model(init_state(self.cfg, n)),
             "rows": jax.device_put(rows, self._row_sharding()),
         }
 
     # ----- the programs (traced functions) ------------------------------------------------
-    def _prefill(self, params, tokens_DxP, state, lengths_D, logits_DxV):
+    def _prefill(self, params, tokens_DxP, state, lengths_D, logits_DxV, next_DxP=None):
+        """Advance each row's state over its chunk; keep its last real logits. With ``next_DxP``
+        (each position's following prompt token) also return that token's logprob and the top
+        logprobs at every position (the ``score`` program)."""
         logits, state = prefill(self.cfg, params, tokens_DxP, state, lengths_D)
         last = jnp.take_along_axis(logits, jnp.maximum(lengths_D - 1, 0)[:, None, None], axis=1)[:, 0]
-        logits = jnp.where((lengths_D > 0)[:, None], last, logits_DxV)
-        return jax.lax.with_sharding_constraint(logits, self._row_sharding()), state
+        last = jnp.where((lengths_D > 0)[:, None], last, logits_DxV)
+        last = jax.lax.with_sharding_constraint(last, self._row_sharding())
+        if next_DxP is None:
+            return last, state
+        return last, state, token_logprobs(logits, next_DxP)
+
+    def _score(self, params, tokens_DxP, state, lengths_D, logits_DxV, next_DxP):
+        return self._prefill(params, tokens_DxP, state, lengths_D, logits_DxV, next_DxP)
 
     def _insert(self, slots, state_D, logits_DxV, req_D, local_D):
-        D = self.D
+        D, V = self.D, self.cfg.vocab_size
         keys = jax.random.wrap_key_data(req_D["key"], impl=self.prng)
+        fresh = dict(req_D, count=jnp.zeros((D,), jnp.int32), counts=jnp.zeros((D, V), jnp.int32))
         first = sample_rows(
-            logits_DxV,
+            penalize(logits_DxV, fresh),
             req_D["temperature"],
             req_D["top_k"],
             req_D["top_p"],
             jax.vmap(jax.random.fold_in, (0, None))(keys, 0),
+            req_D["min_p"],
         )
         on = local_D >= 0
         idx = jnp.maximum(local_D, 0)
@@ -141,9 +182,15 @@ class DevicePrograms:
             return _join(jnp.moveaxis(out, 0, 1), MODEL_SLOT_AXIS)
 
         model = jax.tree.map(put_model, slots["model"], state_D)
-        new_rows = dict(req_D, token=first, count=jnp.ones((D,), jnp.int32), done=jnp.zeros((D,), bool))
+        new_rows = dict(
+            req_D,
+            token=first,
+            count=jnp.ones((D,), jnp.int32),
+            counts=count_tokens(fresh["counts"], first, jnp.ones((D,), bool)),
+            done=jnp.zeros((D,), bool),
+        )
         rows = {k: _join(jax.vmap(put)(_split(slots["rows"][k], 0, D), new_rows[k], idx, on), 0) for k in slots["rows"]}
-        return self._constrain({"model": model, "rows": rows}), first
+        return self._constrain({"model": model, "rows": rows}), first, token_logprobs(logits_DxV, first)
 
     def _decode(self, params, slots, W: int):
         D = self.D
@@ -164,20 +211,22 @@ class DevicePrograms:
             r = sub["rows"]
             logits, model = decode_step(self.cfg, params, r["token"], sub["model"])
             keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=self.prng), r["count"])
-            tok = sample_rows(logits, r["temperature"], r["top_k"], r["top_p"], keys)
+            tok = sample_rows(penalize(logits, r), r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
             valid = ~r["done"]
             tok = jnp.where(valid, tok, r["token"])
             remaining = r["remaining"] - valid
-            stop = jnp.any(tok[:, None] == r["stop_ids"], axis=-1)
+            stop = jnp.take_along_axis(r["stop_mask"], tok[:, None], axis=-1)[:, 0]
             done = r["done"] | (valid & (stop | (remaining <= 0)))
-            rows = dict(r, token=tok, count=r["count"] + 1, remaining=remaining, done=done)
-            return self._constrain({"model": model, "rows": rows}), (tok, valid)
+            counts = count_tokens(r["counts"], tok, valid)
+            rows = dict(r, token=tok, count=r["count"] + 1, remaining=remaining, done=done, counts=counts)
+            return self._constrain({"model": model, "rows": rows}), (tok, valid, token_logprobs(logits, tok))
 
-        sub, (toks, valid) = jax.lax.scan(step, self._constrain(sub), None, length=self.steps_per_call)
+        sub, (toks, valid, lps) = jax.lax.scan(step, self._constrain(sub), None, length=self.steps_per_call)
         model = jax.tree.map(lambda x, s: give(x, s, MODEL_SLOT_AXIS), slots["model"], sub["model"])
         rows = jax.tree.map(lambda x, s: give(x, s, 0), slots["rows"], sub["rows"])
         K = self.steps_per_call
-        return self._constrain({"model": model, "rows": rows}), toks.reshape(K, D, W), valid.reshape(K, D, W)
+        lps = jax.tree.map(lambda x: x.reshape(K, D, W, *x.shape[2:]), lps)
+        return self._constrain({"model": model, "rows": rows}), toks.reshape(K, D, W), valid.reshape(K, D, W), lps
 
     def _move(self, slots, src_D, dst_D):
         D = self.D
@@ -206,11 +255,12 @@ class DevicePrograms:
         logits = jax.ShapeDtypeStruct((D, V), jnp.float32, sharding=rows)
         ints = jax.ShapeDtypeStruct((D,), jnp.int32, sharding=rows)
         tokens = jax.ShapeDtypeStruct((D, self.prefill_chunk), jnp.int32, sharding=rows)
-        tpl = row_template(self.prng)
+        tpl = row_template(self.prng, self.cfg.vocab_size)
         req = {k: jax.ShapeDtypeStruct((D, *tpl[k][0]), tpl[k][1], sharding=rows) for k in REQUEST_FIELDS}
         slots = self._abstract_slots()
         out = [
             ("prefill", D, self._prefill, (self.params, tokens, state_D, ints, logits), ()),
+            ("score", D, self._score, (self.params, tokens, state_D, ints, logits, tokens), ()),
             ("insert", D, self._insert, (slots, state_D, logits, req, ints), (0,)),
             ("move", D, self._move, (slots, ints, ints), (0,)),
         ]
@@ -235,39 +285,54 @@ class DevicePrograms:
         return self.executables.get((name, width))
 
     # ----- host calls ---------------------------------------------------------------------
-    def prefill_rows(self, prompts: dict[int, list[int]]) -> tuple[Any, Any]:
-        """Prefill prompt ``prompts[d]`` on device d (others idle): (states [D], last logits [D, V])."""
+    def prefill_rows(self, prompts: dict[int, list[int]], score: bool = False):
+        """Prefill prompt ``prompts[d]`` on device d (others idle): (states [D], last logits [D, V],
+        scores). With ``score``: scores[d] is the prompt's ``TokenLogprob`` list (None for its first
+        token, which nothing predicts); else scores is None."""
         D, P_ = self.D, self.prefill_chunk
         state, logits = self.fresh, np.zeros((D, self.cfg.vocab_size), np.float32)
         longest = max(len(ids) for ids in prompts.values())
-        ex = self.executables[("prefill", D)]
+        ex = self.executables[("score" if score else "prefill", D)]
+        scores: dict[int, list] | None = {d: [None] for d in prompts} if score else None
         for start in range(0, longest, P_):
             chunk = np.zeros((D, P_), np.int32)
+            nxt = np.zeros((D, P_), np.int32)
             lengths = np.zeros((D,), np.int32)
             for d, ids in prompts.items():
-                piece = ids[start : start + P_]
+                piece, following = ids[start : start + P_], ids[start + 1 : start + P_ + 1]
                 chunk[d, : len(piece)] = piece
+                nxt[d, : len(following)] = following
                 lengths[d] = len(piece)
-            logits, state = ex(self.params, chunk, state, lengths, logits)
-        return state, logits
+            if not score:
+                logits, state = ex(self.params, chunk, state, lengths, logits)
+                continue
+            logits, state, (lp, top_ids, top_lp) = ex(self.params, chunk, state, lengths, logits, nxt)
+            lp, top_ids, top_lp = np.asarray(lp).tolist(), np.asarray(top_ids).tolist(), np.asarray(top_lp).tolist()
+            for d, ids in prompts.items():  # position j scores token j + 1 of the prompt
+                n = max(0, min(P_, len(ids) - 1 - start))
+                scores[d].extend((lp[d][j], top_ids[d][j], top_lp[d][j]) for j in range(n))
+        return state, logits, scores
 
-    def insert(self, state, logits, requests: dict[int, tuple[int, dict]]) -> np.ndarray:
+    def insert(self, state, logits, requests: dict[int, tuple[int, dict]]):
         """Write device d's prefilled row into its local slot ``requests[d][0]`` with sampling row
-        ``requests[d][1]``; returns the first sampled token per device [D]."""
-        D, tpl = self.D, row_template(self.prng)
+        ``requests[d][1]``; returns the first sampled token per device [D] (host) and its
+        (logprob [D], top ids [D, k], top logprobs [D, k]) (device)."""
+        D, tpl = self.D, row_template(self.prng, self.cfg.vocab_size)
         req = {k: np.full((D, *tpl[k][0]), tpl[k][2], tpl[k][1]) for k in REQUEST_FIELDS}
         local = np.full((D,), -1, np.int32)
         for d, (slot, row) in requests.items():
             local[d] = slot
             for k in REQUEST_FIELDS:
                 req[k][d] = row[k]
-        self.slots, first = self.executables[("insert", D)](self.slots, state, logits, req, local)
-        return np.asarray(first)
+        self.slots, first, lps = self.executables[("insert", D)](self.slots, state, logits, req, local)
+        return np.asarray(first), lps
 
-    def decode(self, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """``steps`` tokens for the first ``width`` local slots of each device: (tokens, valid) [K, D, W]."""
-        self.slots, toks, valid = self.executables[("decode", width)](self.params, self.slots)
-        return np.asarray(toks), np.asarray(valid)
+    def decode(self, width: int) -> tuple[np.ndarray, np.ndarray, tuple[jax.Array, ...]]:
+        """``steps`` tokens for the first ``width`` local slots of each device: (tokens, valid)
+        [K, D, W] on the host, and the tokens' (logprob [K, D, W], top ids and top logprobs
+        [K, D, W, k]) left on the device (read them only when a request wants them)."""
+        self.slots, toks, valid, lps = self.executables[("decode", width)](self.params, self.slots)
+        return np.asarray(toks), np.asarray(valid), lps
 
     def move(self, moves: dict[int, tuple[int, int]]) -> None:
         """Per device d, copy local slot moves[d][0] into moves[d][1]."""

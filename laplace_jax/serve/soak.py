@@ -36,6 +36,12 @@ INVALID_BODIES = (
     lambda m: {"model": "no-such-model", "prompt": "x"},
     lambda m: "{not json",
     lambda m: {"model": m, "prompt": "x", "user": "u" * (2 << 20)},  # over the body cap: 413
+    lambda m: json.dumps({"model": m, "prompt": "\ud800"}),  # a lone surrogate (escaped in the JSON)
+    lambda m: {"model": m, "prompt": "x", "n": 10**6},
+    lambda m: {"model": m, "prompt": "x", "logprobs": 21},
+    lambda m: {"model": m, "prompt": "x", "presence_penalty": 3},
+    lambda m: {"model": m, "prompt": "x", "logit_bias": {"-1": 1}},
+    lambda m: {"model": m, "prompt": "x", "suffix": "y"},
 )
 
 
@@ -58,9 +64,34 @@ def _valid_body(model: str, rng: np.random.Generator, vocab: int) -> dict:
         body["stop_token_ids"] = rng.integers(0, vocab, int(rng.integers(1, 4))).tolist()
     body["echo"] = bool(rng.random() < 0.1)
     body["ignore_eos"] = bool(rng.random() < 0.5)
+    _add_features(body, rng, vocab)
     if body["stream"] and rng.random() < 0.5:
         body["stream_options"] = {"include_usage": True}
     return body
+
+
+def _add_features(body: dict, rng: np.random.Generator, vocab: int) -> None:
+    """The vLLM/OpenAI extras, each in a share of the requests: batches, n / best_of, logprobs,
+    penalties, logit bias, min-p, min-tokens, kept stop strings."""
+    if rng.random() < 0.15:
+        body["prompt"] = [rng.integers(1, vocab, int(rng.integers(1, 48))).tolist() for _ in range(rng.integers(1, 4))]
+    if rng.random() < 0.15:
+        body["n"] = int(rng.integers(1, 4))
+        if not body["stream"] and rng.random() < 0.5:
+            body["best_of"] = body["n"] + int(rng.integers(0, 2))
+    if rng.random() < 0.2:
+        body["logprobs"] = int(rng.integers(0, 6))
+    for name, lo, hi in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("repetition_penalty", 0.5, 2)):
+        if rng.random() < 0.15:
+            body[name] = float(rng.uniform(lo, hi))
+    if rng.random() < 0.1:
+        body["logit_bias"] = {str(int(t)): float(rng.uniform(-100, 100)) for t in rng.integers(0, vocab, 3)}
+    if rng.random() < 0.1:
+        body["min_p"] = float(rng.uniform(0, 0.5))
+    if rng.random() < 0.1:
+        body["min_tokens"] = int(rng.integers(0, body["max_tokens"] + 1))
+    if "stop" in body and rng.random() < 0.5:
+        body["include_stop_str_in_output"] = True
 
 
 def _is_envelope(r: httpx.Response) -> bool:
@@ -146,6 +177,7 @@ async def run_soak(
                 body = _valid_body(model, r, vocab_size)
                 if kind == "disconnect":
                     body.update(stream=True, max_tokens=400, ignore_eos=True)
+                    body.pop("best_of", None)  # best_of > n cannot stream
             async with sem:
                 outcome = await _one(client, url, kind, body, r)
             outcomes[(kind, outcome)] += 1
