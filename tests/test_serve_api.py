@@ -354,3 +354,41 @@ def test_idle_sockets_are_closed_and_capped():
         for sk in socks:
             sk.close()
         s.close()
+
+
+def test_the_openai_client_with_every_field(srv):
+    c = srv.client()
+    r = c.completions.create(
+        model="tiny",
+        prompt=["Once", "Twice"],
+        n=3,
+        best_of=3,
+        max_tokens=6,
+        temperature=0.8,
+        top_p=0.9,
+        seed=7,
+        logprobs=2,
+        echo=True,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={"65": 3.0},
+        stop=["\n"],
+        extra_body={"top_k": 40, "min_p": 0.05, "min_tokens": 1, "repetition_penalty": 1.2, "ignore_eos": True},
+    )
+    assert [ch.index for ch in r.choices] == list(range(6))
+    for ch in r.choices:
+        prompt = ["Once", "Twice"][ch.index // 3]
+        assert ch.text.startswith(prompt) and ch.logprobs.token_logprobs[0] is None
+        assert len(ch.logprobs.tokens) == len(ch.logprobs.token_logprobs) == len(ch.logprobs.text_offset)
+    chat = c.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "developer", "content": "x"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        n=2,
+        max_completion_tokens=5,
+        logprobs=True,
+        top_logprobs=3,
+        presence_penalty=0.1,
+        seed=1,
+    )
+    assert len(chat.choices) == 2 and all(len(e.top_logprobs) == 3 for e in chat.choices[0].logprobs.content)
+    assert srv.engine.compiles.total("serving") == 0
