@@ -230,7 +230,7 @@ LOCATIONS: dict[tuple[str, str], tuple[str, ...]] = {
         "### What logprobs, penalties and the other sampling controls cost a decode call",
     ),
     ("BENCHMARKS.md", "train_cpu.json"): ("## Training step",),
-    ("README.md", "import_memory.json"): ("## fla checkpoints",),
+    ("README.md", "import_memory.json"): ("## fla checkpoints and Hugging Face",),
     ("README.md", "decode_memory_3b_bf16.json"): ("## Serving",),
     ("README.md", "decode_memory_3b_fp32.json"): ("## Serving",),
     ("README.md", "memory_kernel_3b_layer.json"): ("### The kernel",),

@@ -1,7 +1,12 @@
 """Import and export flash-linear-attention GLA checkpoints (``save_pretrained`` directories).
 
-    python -m laplace_jax.convert from-fla FLA_DIR OUT_DIR    # fla -> laplace model directory
-    python -m laplace_jax.convert to-fla MODEL_DIR OUT_DIR    # laplace model directory -> fla
+    python -m laplace_jax.convert from-fla FLA_DIR OUT_DIR            # fla (sharded or not) -> laplace model
+    python -m laplace_jax.convert to-fla RUN_OR_MODEL OUT_DIR [--step N]
+                                                                      # a train.py run or model directory -> fla
+
+An export from a run (or with ``--tokenizer``) is a Hugging Face model directory: tokenizer files,
+token ids, a generation config and ``auto_map`` to fla's classes (``hf_files``), so
+``AutoTokenizer`` and ``AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`` load it.
 
 An fla directory holds ``config.json`` (model_type "gla") and ``model.safetensors`` (or shards
 with ``model.safetensors.index.json``). torch Linear weights are [out, in]; ours are [in, out];
@@ -26,6 +31,8 @@ from safetensors.numpy import save_file
 from laplace_jax import checkpoint
 from laplace_jax.config import ModelConfig
 from laplace_jax.errors import CheckpointFormatError, ConfigError, UserError
+from laplace_jax.hf_files import write_hf_files
+from laplace_jax.loading import load_for_inference
 from laplace_jax.models.gla_lm import abstract_params, count_params
 
 # fla GLAConfig key -> ModelConfig field.
@@ -279,6 +286,16 @@ def save_fla(path: str, cfg: ModelConfig, params: dict, dtype: Any = np.float32)
         json.dump(config_to_fla(cfg), f, indent=2)
 
 
+def _export_source(src: str, step: int | None, tokenizer: str | None):
+    """(cfg, params, tokenizer or None) of a train.py workdir or a laplace model directory."""
+    if os.path.isdir(os.path.join(src, "checkpoints")) or tokenizer is not None:
+        cfg, params, tok, _ = load_for_inference(src, tokenizer, step=step)
+        return cfg, params, tok
+    if step is not None:
+        raise UserError(f"--step picks a checkpoint of a train.py workdir; {src} is a model directory")
+    return (*checkpoint.load_model(src), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m laplace_jax.convert", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -286,18 +303,24 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("src")
     a.add_argument("out")
     a.add_argument("--dtype", default="float32", help="compute dtype recorded in the model config")
-    b = sub.add_parser("to-fla", help="laplace model directory -> fla save_pretrained directory")
-    b.add_argument("src")
+    b = sub.add_parser("to-fla", help="train.py run or laplace model directory -> fla / Hugging Face directory")
+    b.add_argument("src", help="a train.py workdir (newest checkpoint, or --step) or a laplace model directory")
     b.add_argument("out")
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="stored weight dtype")
+    b.add_argument("--step", type=int, default=None, help="checkpoint step of a workdir (default: the newest)")
+    b.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json (default: the run's own)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "from-fla":
             cfg, params = load_fla(args.src, dtype=args.dtype)
             checkpoint.save_model(args.out, cfg, params)
         else:
-            cfg, params = checkpoint.load_model(args.src)
+            cfg, params, tok = _export_source(args.src, args.step, args.tokenizer)
             save_fla(args.out, cfg, params, np.dtype(ml_dtypes.bfloat16 if args.dtype == "bfloat16" else np.float32))
+            if tok is None:
+                print(f"note: {args.src} names no tokenizer; pass --tokenizer to add tokenizer files")
+            else:
+                write_hf_files(args.out, cfg, tok)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
