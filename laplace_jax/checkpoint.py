@@ -191,6 +191,11 @@ class TrainCheckpointer:
     def saved_config(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
+    def should_save(self, step: int) -> bool:
+        """Whether ``save(step, ...)`` will write (Orbax's policy: every ``ckpt_every``, and the
+        first step of a run)."""
+        return self.manager.should_save(step)
+
     def save(self, step: int, state: Any, data_iter: Any, config: dict, force: bool = False) -> bool:
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),

@@ -43,3 +43,14 @@ def test_entry_points_name_a_missing_file_in_one_line(tmp_path, capsys):
     )
     with pytest.raises(SystemExit, match=r"config file configs/nope\.py does not exist .*tiny\.py"):
         cli._parse(["train.py", "--config", "configs/nope.py"])
+
+
+def test_a_checkpointed_step_keeps_its_own_compute_time(tmp_path):
+    """Orbax writes the first step's checkpoint; the wait for that step's result is step time,
+    only the write is left out (before: 11 ms against ~290 ms for the others, mfu 292%)."""
+    cfg = micro_config(train=dict(steps=6, eval_every=3, ckpt_every=3))
+    out = run(cfg, str(tmp_path), devices=jax.devices()[:1], log=lambda *_: None)
+    assert (tmp_path / "checkpoints" / "1").is_dir()  # the case this guards: a save right after step 1
+    times = {r["step"]: r["step_s"] for r in out["history"]}
+    typical = sorted(times.values())[len(times) // 2]
+    assert all(t > 0.3 * typical for t in times.values()), times

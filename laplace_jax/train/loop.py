@@ -121,9 +121,12 @@ def run(
                 steps.record(*pending)
             pending = (step + 1, metrics)
             steps.advance()
+            evaluating = t.eval_every and (step + 1) % t.eval_every == 0
+            if evaluating or ckpt.should_save(step + 1):
+                jax.block_until_ready(metrics)  # the step's own compute is step time; what follows is not
             with steps.paused():  # checkpoint writes and evaluation are not step time
                 ckpt.save(step + 1, state, data_iter, config_json)
-                if t.eval_every and (step + 1) % t.eval_every == 0:
+                if evaluating:
                     last_eval = (step + 1, trainer.eval_loss(state["params"], data.val))
                     writer.write(step + 1, {"eval_loss": last_eval[1]})
                     steps.note(f"step {step + 1}: eval loss {last_eval[1]:.4f}")
