@@ -53,6 +53,12 @@ def _grad_range(r: dict, kernel: str, name: str) -> str:
     return f"{_sci(g['vs_torch_float64_min'])} to {_sci(g['vs_torch_float64_max'])} ({name})"
 
 
+def _static(r: dict, pass_: str, kernel: str, arch: str) -> str:
+    """A gpu_check table row's registers and spills: "| sm_90 | 255 | 1,872 / 1,912 B |"."""
+    k = next(k for k in r["kernels"] if (k["pass"], k["kernel"], k["arch"]) == (pass_, kernel, arch))
+    return f"| {arch} | {k['registers']} | {k['spill_store_bytes']:,} / {k['spill_load_bytes']:,} B |"
+
+
 def _rss(r: dict) -> str:
     """A soak's RSS growth cell: "| 11.9 MB (564.1 -> "."""
     return f"| {r['rss_growth_mb']:.1f} MB ({r['rss_before_mb']:.1f} -> "
@@ -160,6 +166,9 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("BENCHMARKS.md", "soak_cpu_tiny_6000.json", _rss),
     ("BENCHMARKS.md", "soak_cpu_tiny_before.json", lambda r: f"against {r['rss_growth_mb']:.1f} MB before the serving"),
     ("BENCHMARKS.md", "soak_cpu_tiny.json", lambda r: f"| {r['outcomes']['valid:ok']:,} / "),
+    ("BENCHMARKS.md", "gpu_static_3b.json", lambda r: _static(r, "forward", "gla_fwd", "sm_90")),
+    ("BENCHMARKS.md", "gpu_static_3b.json", lambda r: _static(r, "gradient", "gla_bwd", "sm_90")),
+    ("BENCHMARKS.md", "gpu_static_3b.json", lambda r: _static(r, "gradient", "gla_bwd", "sm_80")),
     ("BENCHMARKS.md", "decode_cost.json", lambda r: f"| {r['configs']['tiny']['ratio_median']:.3f} |"),
     ("BENCHMARKS.md", "decode_cost.json", lambda r: f"| {r['configs']['small_100m']['ratio_median']:.3f} |"),
     (
@@ -226,6 +235,7 @@ LOCATIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("BENCHMARKS.md", "soak_cpu_tiny.json"): ("## Serving soak (tiny model, random weights, CPU)",),
     ("BENCHMARKS.md", "soak_cpu_tiny_6000.json"): ("## Serving soak (tiny model, random weights, CPU)",),
     ("BENCHMARKS.md", "soak_cpu_tiny_before.json"): ("## Serving soak (tiny model, random weights, CPU)",),
+    ("BENCHMARKS.md", "gpu_static_3b.json"): ("### Pallas kernel: status",),
     ("BENCHMARKS.md", "decode_cost.json"): (
         "### What logprobs, penalties and the other sampling controls cost a decode call",
     ),

@@ -319,12 +319,15 @@ def _specs(T: int, K: int, BV: int, n_chunks: int):
     return keys, vals, state, states, part
 
 
+LAUNCH = {"num_warps": 4, "num_stages": 2}  # Triton launch options of both kernels (tools.gpu_check reads them)
+
+
 def _compiler_params(interpret: bool):
     if interpret:
         return None
     from jax.experimental.pallas import triton as plgpu_triton  # GPU only; interpret mode never loads it
 
-    return plgpu_triton.CompilerParams(num_warps=4, num_stages=2)
+    return plgpu_triton.CompilerParams(**LAUNCH)
 
 
 def _forward(q, k, v, g, s0, scale, C, BV, interpret):

@@ -1,0 +1,171 @@
+"""Static GPU check of the Pallas GLA kernel, on any machine (no GPU needed).
+
+    python -m laplace_jax.tools.gpu_check --shape 3b --out report.json      # the 3B layer
+    python -m laplace_jax.tools.gpu_check --shape small                      # seconds; what CI runs
+
+1. Lower the forward and the gradient of ``chunk_gla(..., kernel="pallas", interpret=False)``
+   for cuda (``lower(lowering_platforms=("cuda",))``: Pallas' Triton lowering runs in Python),
+   capturing each Triton module, its grid and its ``num_warps``/``num_stages``.
+2. Compile each module with the ``triton`` package for every ``--arch`` (sm_90, sm_80) in a
+   separate process (triton and jax do not share one), and read the PTX assembler's resource
+   report (``ptxas -v``, the Blackwell-capable build bundled with triton): registers per thread,
+   spill store/load bytes, shared memory; list the MMA instructions in the PTX (wgmma on sm_90,
+   mma.sync); and compare the programs per launch with the SM count.
+
+Needs jaxlib 0.10.x (newer jaxlibs compile Triton during lowering through the CUDA plugin) and
+``pip install triton``. The report is JSON: one entry per kernel and architecture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+SHAPES = {  # B, T, H, K, V (K is padded to 128 inside the kernel for the 3B layer's 96)
+    "small": (1, 256, 2, 32, 64),
+    "3b": (4, 4096, 16, 96, 192),
+}
+SMS = {90: 132, 80: 108}  # H100/H200, A100
+
+
+def capture(shape: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Lower forward and gradient for cuda; each Triton module's text, grid and launch options."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import lowering
+
+    from laplace_jax.ops.gla import chunk_gla
+
+    B, T, H, K, V = shape
+    args = [jax.ShapeDtypeStruct((B, T, H, d), jnp.bfloat16) for d in (K, K, V)]
+    args.append(jax.ShapeDtypeStruct((B, T, H, K), jnp.float32))
+
+    def fwd(q, k, v, g):
+        return chunk_gla(q, k, v, g, kernel="pallas", interpret=False)[0]
+
+    def loss(q, k, v, g):
+        return fwd(q, k, v, g).astype(jnp.float32).sum()
+
+    modules: list[dict[str, Any]] = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def keep(jaxpr, grid_mapping, *rest, **kw):
+        res = original(jaxpr, grid_mapping, *rest, **kw)
+        res.module.operation.verify()
+        modules.append(
+            {"name": jaxpr.debug_info.func_name, "grid": list(res.grid), "ttir": res.module.operation.get_asm()}
+        )
+        return res
+
+    lowering.lower_jaxpr_to_triton_module = keep
+    try:
+        for label, fn in (("forward", fwd), ("gradient", jax.grad(loss, argnums=(0, 1, 2, 3)))):
+            before = len(modules)
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+            for m in modules[before:]:
+                m["pass"] = label
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+    from laplace_jax.ops.gla_pallas import LAUNCH
+
+    return [{**m, **LAUNCH} for m in modules]
+
+
+COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+path, arch, warps, stages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+k = triton.compile(path, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
+print(json.dumps({"ptx": k.asm["ptx"], "shared": k.metadata.shared}))
+"""
+
+
+def _ptxas() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+
+
+def resources(module: dict[str, Any], arch: int, workdir: str) -> dict[str, Any]:
+    """Compile one captured module for sm_<arch>; the assembler's resource report."""
+    base = os.path.join(workdir, f"{module['pass']}_{module['name']}_{len(os.listdir(workdir))}")
+    with open(base + ".ttir", "w") as f:
+        f.write(module["ttir"])
+    cmd = [
+        sys.executable,
+        "-c",
+        COMPILE,
+        base + ".ttir",
+        str(arch),
+        str(module["num_warps"]),
+        str(module["num_stages"]),
+    ]
+    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    with open(base + ".ptx", "w") as f:
+        f.write(out["ptx"])
+    suffix = "a" if arch == 90 else ""
+    report = subprocess.run(
+        [_ptxas(), f"-arch=sm_{arch}{suffix}", "-v", base + ".ptx", "-o", base + ".cubin"],
+        capture_output=True, text=True, check=True,
+    ).stderr  # fmt: skip
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, report)) else 0  # noqa: E731
+    programs = module["grid"][0] * module["grid"][1] * module["grid"][2]
+    return {
+        "kernel": module["name"],
+        "pass": module["pass"],
+        "arch": f"sm_{arch}",
+        "grid": module["grid"],
+        "programs": programs,
+        "programs_per_sm": programs / SMS[arch],
+        "num_warps": module["num_warps"],
+        "num_stages": module["num_stages"],
+        "registers": number(r"Used (\d+) registers"),
+        "spill_store_bytes": number(r"(\d+) bytes spill stores"),
+        "spill_load_bytes": number(r"(\d+) bytes spill loads"),
+        "shared_bytes": out["shared"],
+        "mma": sorted({m.group(0) for m in re.finditer(r"\b(wgmma\.mma_async|mma\.sync)\.\w+(\.\w+)*", out["ptx"])}),
+    }
+
+
+def report(shape_name: str, arches: list[int]) -> dict[str, Any]:
+    modules = capture(SHAPES[shape_name])
+    with tempfile.TemporaryDirectory() as workdir:
+        kernels = [resources(m, arch, workdir) for m in modules for arch in arches]
+    return {
+        "shape": shape_name,
+        "B_T_H_K_V": SHAPES[shape_name],
+        "sms": {f"sm_{a}": SMS[a] for a in arches},
+        "kernels": kernels,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m laplace_jax.tools.gpu_check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(SMS))
+    ap.add_argument("--out", default=None, help="write the JSON report here")
+    a = ap.parse_args(argv)
+    rep = report(a.shape, a.arch)
+    for k in rep["kernels"]:
+        print(
+            f"{k['pass']:>8} {k['kernel'][:40]:<40} {k['arch']}: {k['registers']} regs, "
+            f"spills {k['spill_store_bytes']} B stored / {k['spill_load_bytes']} B loaded, "
+            f"smem {k['shared_bytes'] / 1024:.0f} KiB, {k['programs']} programs "
+            f"({k['programs_per_sm']:.2f} per SM), mma {', '.join(k['mma']) or 'none'}"
+        )
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rep, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
