@@ -59,6 +59,11 @@ def _static(r: dict, pass_: str, kernel: str, arch: str) -> str:
     return f"| {arch} | {k['registers']} | {k['spill_store_bytes']:,} / {k['spill_load_bytes']:,} B |"
 
 
+def _k(r: dict, dtype: str) -> str:
+    """A numerics report's forward speed in thousands of tokens per second: "37.8k"."""
+    return f"{r['forward_tokens_per_s'][dtype] / 1e3:.1f}k"
+
+
 def _rss(r: dict) -> str:
     """A soak's RSS growth cell: "| 11.9 MB (564.1 -> "."""
     return f"| {r['rss_growth_mb']:.1f} MB ({r['rss_before_mb']:.1f} -> "
@@ -166,6 +171,10 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("BENCHMARKS.md", "soak_cpu_tiny_6000.json", _rss),
     ("BENCHMARKS.md", "soak_cpu_tiny_before.json", lambda r: f"against {r['rss_growth_mb']:.1f} MB before the serving"),
     ("BENCHMARKS.md", "soak_cpu_tiny.json", lambda r: f"| {r['outcomes']['valid:ok']:,} / "),
+    ("BENCHMARKS.md", "numerics_recall_1x.json", lambda r: f"fp32 {_k(r, 'float32')} tok/s default"),
+    ("BENCHMARKS.md", "numerics_recall_1x_exact.json", lambda r: f"{_k(r, 'float32')} with `--exact`"),
+    ("BENCHMARKS.md", "numerics_recall_1x.json", lambda r: f"bf16 {_k(r, 'bfloat16')} default"),
+    ("BENCHMARKS.md", "numerics_recall_1x_exact.json", lambda r: f"{_k(r, 'bfloat16')} exact"),
     ("BENCHMARKS.md", "gpu_static_3b.json", lambda r: _static(r, "forward", "gla_fwd", "sm_90")),
     ("BENCHMARKS.md", "gpu_static_3b.json", lambda r: _static(r, "gradient", "gla_bwd", "sm_90")),
     ("BENCHMARKS.md", "gpu_static_3b.json", lambda r: _static(r, "gradient", "gla_bwd", "sm_80")),
@@ -236,6 +245,10 @@ LOCATIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("BENCHMARKS.md", "soak_cpu_tiny_6000.json"): ("## Serving soak (tiny model, random weights, CPU)",),
     ("BENCHMARKS.md", "soak_cpu_tiny_before.json"): ("## Serving soak (tiny model, random weights, CPU)",),
     ("BENCHMARKS.md", "gpu_static_3b.json"): ("### Pallas kernel: status",),
+    ("BENCHMARKS.md", "numerics_recall_1x.json"): ("## Numerics report, default vs `--exact` (runs/recall_1x, CPU)",),
+    ("BENCHMARKS.md", "numerics_recall_1x_exact.json"): (
+        "## Numerics report, default vs `--exact` (runs/recall_1x, CPU)",
+    ),
     ("BENCHMARKS.md", "decode_cost.json"): (
         "### What logprobs, penalties and the other sampling controls cost a decode call",
     ),

@@ -19,6 +19,7 @@ Needs jaxlib 0.10.x (newer jaxlibs compile Triton during lowering through the CU
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -88,9 +89,12 @@ print(json.dumps({"ptx": k.asm["ptx"], "shared": k.metadata.shared}))
 
 
 def _ptxas() -> str:
-    import triton
-
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+    """The assembler bundled with triton, found without importing triton (whose LLVM must not
+    share a process with XLA's)."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the static GPU check needs the triton package: pip install triton")
+    return os.path.join(spec.submodule_search_locations[0], "backends", "nvidia", "bin", "ptxas-blackwell")
 
 
 def resources(module: dict[str, Any], arch: int, workdir: str) -> dict[str, Any]:
