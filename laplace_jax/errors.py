@@ -40,4 +40,4 @@ class InvalidParamError(UserError, ValueError):
 
 
 class QueueFullError(Exception):
-    """The serving engine's admission queue is full; retry later (HTTP 503)."""
+    """The serving engine's admission queue is full (or it is shutting down); retry later (HTTP 429)."""

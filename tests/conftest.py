@@ -3,3 +3,20 @@ import os
 # Fake CPU devices for mesh tests; must be set before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import gc
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop JAX's caches of compiled programs. The whole suite runs in one
+    process; without this every module's executables (and their memory mappings) stay alive, and
+    two full runs crashed inside an XLA compile at 85%, most likely at the kernel's limit on
+    memory mappings (vm.max_map_count, 65,530)."""
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
