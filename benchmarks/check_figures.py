@@ -175,6 +175,13 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("BENCHMARKS.md", "numerics_recall_1x_exact.json", lambda r: f"{_k(r, 'float32')} with `--exact`"),
     ("BENCHMARKS.md", "numerics_recall_1x.json", lambda r: f"bf16 {_k(r, 'bfloat16')} default"),
     ("BENCHMARKS.md", "numerics_recall_1x_exact.json", lambda r: f"{_k(r, 'bfloat16')} exact"),
+    ("README.md", "first_run_tiny.json", lambda r: f"Eval loss ends near {r['final_eval_loss']:.2f}"),
+    ("BENCHMARKS.md", "first_run_tiny.json", lambda r: f"eval loss **{r['final_eval_loss']:.3f} nats/byte**"),
+    (
+        "BENCHMARKS.md",
+        "first_run_tiny.json",
+        lambda r: f"took {int(r['wall_s'] // 60)} min {round(r['wall_s'] % 60)} s wall",
+    ),
     ("BENCHMARKS.md", "gpu_static_3b.json", lambda r: _static(r, "forward", "gla_fwd", "sm_90")),
     ("BENCHMARKS.md", "gpu_static_3b.json", lambda r: _static(r, "gradient", "gla_bwd", "sm_90")),
     ("BENCHMARKS.md", "gpu_static_3b.json", lambda r: _static(r, "gradient", "gla_bwd", "sm_80")),
@@ -245,6 +252,8 @@ LOCATIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("BENCHMARKS.md", "soak_cpu_tiny_6000.json"): ("## Serving soak (tiny model, random weights, CPU)",),
     ("BENCHMARKS.md", "soak_cpu_tiny_before.json"): ("## Serving soak (tiny model, random weights, CPU)",),
     ("BENCHMARKS.md", "gpu_static_3b.json"): ("### Pallas kernel: status",),
+    ("README.md", "first_run_tiny.json"): ("# laplace-jax",),
+    ("BENCHMARKS.md", "first_run_tiny.json"): ("## Training step",),
     ("BENCHMARKS.md", "numerics_recall_1x.json"): ("## Numerics report, default vs `--exact` (runs/recall_1x, CPU)",),
     ("BENCHMARKS.md", "numerics_recall_1x_exact.json"): (
         "## Numerics report, default vs `--exact` (runs/recall_1x, CPU)",
