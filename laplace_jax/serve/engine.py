@@ -154,9 +154,11 @@ class Engine:
         self.ready = True
 
     # ----- host API ---------------------------------------------------------------------
-    def check(self, prompt_ids: list[int], sp: SamplingParams) -> None:
-        """Raise ``InvalidParamError`` if the request cannot be served as given."""
-        sp.check(self.vocab_size)
+    def check(self, prompt_ids: list[int], *sps: SamplingParams) -> None:
+        """Raise ``InvalidParamError`` if a request (or a group sharing ``prompt_ids``, one
+        ``SamplingParams`` per member) cannot be served as given. The prompt is checked once."""
+        for sp in sps:
+            sp.check(self.vocab_size)
         n = len(prompt_ids)
         if n == 0:
             raise InvalidParamError("prompt", "the prompt is empty")
@@ -170,10 +172,11 @@ class Engine:
             raise InvalidParamError(
                 "prompt", f"the prompt has {n} tokens; max_model_len {self.max_model_len} leaves no room to generate"
             )
-        if n + sp.max_tokens > self.max_model_len:
+        longest = max(sp.max_tokens for sp in sps)
+        if n + longest > self.max_model_len:
             raise InvalidParamError(
                 "max_tokens",
-                f"prompt ({n} tokens) + max_tokens ({sp.max_tokens}) exceeds max_model_len {self.max_model_len}; "
+                f"prompt ({n} tokens) + max_tokens ({longest}) exceeds max_model_len {self.max_model_len}; "
                 f"ask for at most {self.max_model_len - n} tokens",
             )
 
@@ -187,8 +190,7 @@ class Engine:
             raise InvalidParamError(
                 "n", f"n and best_of must be at most {self.slots_per_device} (the slots per device); got {len(group)}"
             )
-        for r in group:
-            self.check(r.prompt_ids, r.sampling)
+        self.check(group[0].prompt_ids, *(r.sampling for r in group))
         with self._cv:
             if self._draining:
                 raise QueueFullError("the server is shutting down")

@@ -152,9 +152,6 @@ class DevicePrograms:
             return last, state
         return last, state, token_logprobs(logits, next_DxP)
 
-    def _score(self, params, tokens_DxP, state, lengths_D, logits_DxV, next_DxP):
-        return self._prefill(params, tokens_DxP, state, lengths_D, logits_DxV, next_DxP)
-
     def _insert(self, slots, state_D, logits_DxV, req_D, local_D):
         D, V = self.D, self.cfg.vocab_size
         keys = jax.random.wrap_key_data(req_D["key"], impl=self.prng)
@@ -260,7 +257,7 @@ class DevicePrograms:
         slots = self._abstract_slots()
         out = [
             ("prefill", D, self._prefill, (self.params, tokens, state_D, ints, logits), ()),
-            ("score", D, self._score, (self.params, tokens, state_D, ints, logits, tokens), ()),
+            ("score", D, self._prefill, (self.params, tokens, state_D, ints, logits, tokens), ()),
             ("insert", D, self._insert, (slots, state_D, logits, req, ints), (0,)),
             ("move", D, self._move, (slots, ints, ints), (0,)),
         ]
