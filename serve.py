@@ -5,7 +5,9 @@
     python serve.py --checkpoint out/gla-1.3B --tokenizer llama/tokenizer.json
     python serve.py --devices 8 --max-num-seqs 20 --weights-dtype bfloat16   # 8 x 20 slots
 
-Every executable (prefill chunk, insert, one decode loop per bucket width, row move) is compiled
+A prefix-state cache (--prefix-cache-bytes) resumes a prompt from the state after its longest
+cached prefix. Every executable (prefill chunk, insert, one decode loop per bucket width, row
+move, state snapshot) is compiled
 before /health reports ready; with --compile-cache-dir a restart compiles nothing.
 """
 
@@ -14,6 +16,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+
+def byte_size(text: str) -> int:
+    """ "1073741824", "512M", "1G" -> bytes (K, M, G: powers of 1024)."""
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    try:
+        value = int(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes like 1073741824, 512M or 1G; got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0; got {text!r}")
+    return value
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,6 +62,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps-per-call", type=int, default=4, help="decode tokens per device dispatch")
     ap.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: model's)")
     ap.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    ap.add_argument(
+        "--prefix-cache-bytes",
+        type=byte_size,
+        default="1G",
+        help="prefix-state cache budget per device (bytes; K/M/G suffixes are powers of 1024; 0 turns it off): "
+        "states after shared prompt blocks and after finished requests, so a shared prefix or a chat's next "
+        "turn prefills only what is new. One entry is one sequence's state (29.5 MB for the 3B model)",
+    )
+    ap.add_argument(
+        "--prefix-block",
+        type=int,
+        default=None,
+        help="prefix-cache block in tokens (default: lcm of 128 and --prefill-chunk; must be a multiple of it)",
+    )
     ap.add_argument(
         "--exact",
         action="store_true",
@@ -144,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics=ServeMetrics(),
             devices=local[: a.devices or len(local)],
             prng=a.prng_impl,
+            prefix_cache_bytes=a.prefix_cache_bytes,
+            prefix_block=a.prefix_block,
         )
     except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -170,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     buckets = engine.buckets or "exact (compiled on demand)"
     print(f"  decode buckets (per device) {buckets}; prefill chunk {engine.prefill_chunk}")
+    if engine.prefix is not None and engine.prefix.enabled:
+        print(
+            f"  prefix cache: {a.prefix_cache_bytes:,} B per device = {engine.prefix.capacity:,} states "
+            f"of {engine.state_bytes:,} B; block {engine.prefix.block} tokens (--prefix-cache-bytes 0 turns it off)"
+        )
+    else:
+        print("  prefix cache: off" + (" (budget below one state)" if engine.prefix is not None else ""))
     guarded = "/v1/* and /metrics" if a.protect_metrics else "/v1/*"
     print(f"  auth: {f'API key required on {guarded}' if a.api_key else 'off (no --api-key)'}")
     limits = {"header_timeout": a.header_timeout, "keep_alive": a.keep_alive, "max_connections": a.max_connections}

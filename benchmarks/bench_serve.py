@@ -1,10 +1,11 @@
 """Serving benchmarks on this machine: throughput and TPOT vs concurrency, decode against the
 memory-bandwidth roofline per bucket, context-length flatness, compile share with buckets vs
-exact widths, cold vs warm time to ready.
+exact widths, cold vs warm time to ready, the prefix-state cache on vs off.
 
     python -m benchmarks.bench_serve [--configs tiny small_100m] --out benchmarks/results/serve_cpu.json
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.bench_serve --configs tiny \\
         --devices 8 --sections concurrency roofline --out benchmarks/results/serve_cpu_8dev.json
+    python -m benchmarks.bench_serve --sections prefix --out benchmarks/results/prefix_cache_cpu.json
 
 Roofline: one compiled decode call per bucket W (``steps_per_call`` tokens for W slots on each of
 D devices) must read every device's weights and read + write each slot's state once per token;
@@ -29,6 +30,7 @@ import time
 
 import httpx
 import jax
+import numpy as np
 import portpicker
 
 from benchmarks.common import write_result
@@ -238,7 +240,59 @@ def time_to_ready(cfg, params) -> dict:
     return out
 
 
-SECTIONS = ("concurrency", "roofline", "context", "compile", "ready")
+def prefix_cache(cfg, params, repeats: int = 3) -> dict:
+    """The prefix-state cache, on (1 GiB) and off, two servers side by side: a 2,048-id shared
+    prefix + 32-id suffix one request at a time (TTFT of hits vs misses), 3-turn chats (ids
+    prefilled per turn, from the engine's counter), and a no-sharing workload (output throughput,
+    the two servers alternated ``repeats`` times)."""
+    common = {"max_num_seqs": 8, "prefill_chunk": 128, "steps_per_call": 8, "max_model_len": 4096}
+    servers = {"off": start(cfg, params, prefix_cache_bytes=0, **common)}
+    servers["on"] = start(cfg, params, prefix_cache_bytes=1 << 30, **common)
+    res: dict = {"off": {}, "on": {}}
+    K = 2
+    for label, srv in servers.items():
+        r = load(
+            srv,
+            workload="shared-prefix",
+            num_prompts=12,
+            num_prefixes=K,
+            prefix_len=2048,
+            input_len=32,
+            output_len=4,
+            max_concurrency=1,
+        )
+        ttft = r["ttft_by_request_s"]
+        res[label]["shared_prefix"] = {"ttft_first_k_s": ttft[:K], "ttft_rest_median_s": float(np.median(ttft[K:]))}
+        chats = load(srv, workload="multi-turn", num_prompts=4, turns=3, input_len=64, output_len=32)
+        res[label]["multi_turn"] = chats["turns"]
+        print(
+            f"  cache {label}: shared-prefix TTFT after the first {K}: {1e3 * np.median(ttft[K:]):.0f} ms; "
+            f"prefilled per turn {[t['prefilled_tokens'] for t in chats['turns']]}"
+        )
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(repeats):
+        for label, srv in servers.items():
+            r = load(srv, num_prompts=32, input_len=128, output_len=64, max_concurrency=16)
+            rates[label].append(r["output_throughput"])
+    for label, srv in servers.items():
+        res[label]["no_sharing_output_throughput"] = rates[label]
+        res[label]["compiles_after_warmup"] = metric_sum(srv, "laplace:compiles_total", phase="serving")
+        res[label]["prefix_cache"] = {
+            k: metric_sum(srv, f"laplace:prefix_cache_{k}")
+            for k in ("hits_total", "misses_total", "tokens_total", "evictions_total", "bytes")
+        }
+        srv.close()
+    on, off = res["on"], res["off"]
+    res["ttft_hit_over_miss"] = on["shared_prefix"]["ttft_rest_median_s"] / off["shared_prefix"]["ttft_rest_median_s"]
+    res["throughput_on_over_off"] = float(np.median(rates["on"]) / np.median(rates["off"]))
+    print(
+        f"  TTFT hit / miss {res['ttft_hit_over_miss']:.3f}; no-sharing throughput on / off "
+        f"{res['throughput_on_over_off']:.3f}"
+    )
+    return res
+
+
+SECTIONS = ("concurrency", "roofline", "context", "compile", "ready", "prefix")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -269,6 +323,8 @@ def main(argv: list[str] | None = None) -> None:
             r["compile_share"] = {m: compile_share(cfg, params, m) for m in ("pow2", "exact")}
         if tiny and "ready" in a.sections:
             r["time_to_ready"] = time_to_ready(cfg, params)
+        if "prefix" in a.sections:
+            r["prefix_cache"] = prefix_cache(cfg, params)
     write_result(res, "bench_serve", argv, a.out)
 
 

@@ -41,6 +41,7 @@ class Running(BackgroundServer):
 
     def __init__(self, tokenizer=TOK, server_kw=None, eos_id=TOK.eos_id, uvicorn_kw=None, **engine_kw):
         engine_kw.setdefault("max_model_len", 512)
+        engine_kw.setdefault("prefix_cache_bytes", 1 << 26)  # on, as serve.py runs it
         self.engine = Engine(CFG, PARAMS, eos_id=eos_id, metrics=ServeMetrics(), **engine_kw)
         server = Server(self.engine, tokenizer, "tiny", **(server_kw or {}))
         super().__init__(server, portpicker.pick_unused_port(), **(uvicorn_kw or {}))

@@ -4,7 +4,13 @@
         --num-prompts 64 --input-len 128 --output-len 64 --request-rate 8 --burstiness 1 \\
         --max-concurrency 16 --out results.json
 
-Prompts are random token ids (exact input lengths) or lines of a --prompts-file. Arrival gaps
+Prompts are random token ids (exact input lengths) or lines of a --prompts-file.
+``--workload shared-prefix``: each prompt is one of --num-prefixes random --prefix-len-id system
+prompts followed by --input-len random ids (K system prompts x many users).
+``--workload multi-turn``: --num-prompts chats of --turns turns, run turn by turn; each turn's
+prompt is the previous turn's prompt and reply plus --input-len new ids (the reply's ids come
+back as logprobs with ``return_tokens_as_token_ids``). It reports TTFT per turn and, from the
+server's /metrics where it has them, the ids prefilled and restored from the prefix cache per turn. Arrival gaps
 are gamma-distributed (shape = burstiness; 1 = Poisson), drawn in advance and rescaled to span
 num_prompts / rate. Streams every request and reports TTFT, TPOT = (E2EL - TTFT) / (out - 1),
 ITL (gaps between streamed chunks) and E2EL: mean, median, p90, p99; request, output-token and
@@ -54,7 +60,7 @@ def stats(values: list[float]) -> dict[str, float]:
 
 async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     t0 = time.perf_counter()
-    ttft, stamps, usage, err = None, [], None, None
+    ttft, stamps, usage, err, ids = None, [], None, None, []
     try:
         async with client.stream("POST", url, json=body, timeout=None) as r:
             if r.status_code != 200:
@@ -65,6 +71,9 @@ async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                lp = chunk["choices"][0].get("logprobs") if chunk.get("choices") else None
+                if lp:  # "token_id:<id>" (return_tokens_as_token_ids)
+                    ids += [int(t.split(":", 1)[1]) for t in lp["tokens"]]
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     now = time.perf_counter()
                     ttft = ttft if ttft is not None else now - t0
@@ -81,12 +90,87 @@ async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
         "output_tokens": out,
         "prompt_tokens": usage["prompt_tokens"] if usage else None,
         "itl": list(np.diff(stamps)),
+        "ids": ids,
     }
 
 
-async def run(args: argparse.Namespace) -> dict:
+def _body(args: argparse.Namespace, prompt, seed: int) -> dict:
+    return {
+        "model": args.model,
+        "prompt": prompt,
+        "max_tokens": args.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": args.temperature,
+        "seed": seed,
+    }
+
+
+async def _metric(client: httpx.AsyncClient, base_url: str, name: str) -> float | None:
+    """A counter from the server's /metrics (None if it has none: another server)."""
+    from laplace_jax.serve.metrics import sample_sum
+
+    try:
+        r = await client.get(base_url.rstrip("/") + "/metrics")
+        return sample_sum(r.text, name) if r.status_code == 200 and name in r.text else None
+    except httpx.HTTPError:
+        return None
+
+
+async def run_chats(args: argparse.Namespace) -> dict:
+    """The multi-turn workload (see the module docstring)."""
     rng = np.random.default_rng(args.seed)
-    if args.prompts_file:
+    url = args.base_url.rstrip("/") + "/v1/completions"
+    convs = [[] for _ in range(args.num_prompts)]
+    sem = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
+    turns, failed = [], 0
+    names = {"prefilled": "laplace:prefill_tokens_total", "restored": "laplace:prefix_cache_tokens_total"}
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=args.num_prompts + 8)) as client:
+
+        async def turn(i: int) -> dict:
+            convs[i] += rng.integers(1, args.vocab_size, args.input_len).tolist()
+            body = _body(args, convs[i], int(rng.integers(0, 2**31 - 1)))
+            body |= {"logprobs": 0, "return_tokens_as_token_ids": True}
+            async with sem:
+                r = await one(client, url, body)
+            convs[i] += r["ids"]
+            return r
+
+        for t in range(args.turns):
+            before = {k: await _metric(client, args.base_url, n) for k, n in names.items()}
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(turn(i) for i in range(args.num_prompts)))
+            wall = time.perf_counter() - t0
+            after = {k: await _metric(client, args.base_url, n) for k, n in names.items()}
+            ok = [r for r in results if r["ok"]]
+            failed += len(results) - len(ok)
+            counted = {k: None if before[k] is None else after[k] - before[k] for k in names}
+            turns.append(
+                {
+                    "turn": t + 1,
+                    "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in ok),
+                    "new_tokens": args.input_len * len(ok),
+                    "prefilled_tokens": counted["prefilled"],
+                    "restored_tokens": counted["restored"],
+                    "duration_s": wall,
+                    "ttft_s": stats([r["ttft"] for r in ok]),
+                }
+            )
+    return {"config": {k: v for k, v in vars(args).items() if k != "out"}, "failed": failed, "turns": turns}
+
+
+async def run(args: argparse.Namespace) -> dict:
+    if args.workload == "multi-turn":
+        return await run_chats(args)
+    rng = np.random.default_rng(args.seed)
+    if args.workload == "shared-prefix":
+        systems = [rng.integers(1, args.vocab_size, args.prefix_len).tolist() for _ in range(args.num_prefixes)]
+        prompts = [
+            systems[i % args.num_prefixes] + rng.integers(1, args.vocab_size, args.input_len).tolist()
+            for i in range(args.num_prompts)
+        ]
+    elif args.prompts_file:
         with open(args.prompts_file) as f:
             texts = [line.rstrip("\n") for line in f if line.strip()]
         prompts = [texts[i % len(texts)] for i in range(args.num_prompts)]
@@ -106,16 +190,7 @@ async def run(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         for p, gap in zip(prompts, gaps, strict=True):
             await asyncio.sleep(gap)
-            body = {
-                "model": args.model,
-                "prompt": p,
-                "max_tokens": args.output_len,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                "ignore_eos": True,
-                "temperature": args.temperature,
-                "seed": int(rng.integers(0, 2**31 - 1)),
-            }
+            body = _body(args, p, int(rng.integers(0, 2**31 - 1)))
             tasks.append(asyncio.create_task(limited(client, body)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
@@ -136,6 +211,7 @@ async def run(args: argparse.Namespace) -> dict:
         "tpot_s": stats(tpot),
         "itl_s": stats([x for r in ok for x in r["itl"]]),
         "e2el_s": stats([r["e2el"] for r in ok]),
+        "ttft_by_request_s": [r["ttft"] for r in results],
     }
 
 
@@ -148,7 +224,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", required=True)
     ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--workload", default="random", choices=["random", "shared-prefix", "multi-turn"])
+    ap.add_argument("--input-len", type=int, default=128, help="ids per prompt (shared-prefix: after the prefix)")
+    ap.add_argument("--prefix-len", type=int, default=2048, help="shared-prefix: ids per system prompt")
+    ap.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct system prompts")
+    ap.add_argument("--turns", type=int, default=3, help="multi-turn: turns per chat")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prompts-file", default=None, help="one prompt per line (text) instead of random ids")
     ap.add_argument("--vocab-size", type=int, default=256, help="range of random prompt ids")
@@ -195,6 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    if args.workload == "multi-turn":
+        for t in res["turns"]:
+            print(
+                f"turn {t['turn']}: TTFT p50 {1e3 * t['ttft_s']['median']:.0f} ms, {t['new_tokens']} new ids, "
+                f"{t['prefilled_tokens']} prefilled, {t['restored_tokens']} restored"
+            )
+        return 0 if res["failed"] == 0 else 1
     print(
         f"completed {res['completed']}/{res['completed'] + res['failed']} in {res['duration_s']:.1f} s: "
         f"{res['output_throughput']:.1f} output tok/s, TTFT p50 {1e3 * res['ttft_s']['median']:.0f} ms, "

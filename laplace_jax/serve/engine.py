@@ -14,6 +14,12 @@ their tokens through a callback. Compiles are counted from JAX's own events (``c
 and must stay at 0 in phase "serving" for bucketed widths; ``buckets="exact"`` compiles each new
 width on demand (kept to measure the cost of unbucketed widths).
 
+Prefix-state cache (``prefix_cache_bytes`` > 0, ``prefix_cache.py``): admission restores the
+longest cached prefix of a group's prompt and prefills only the rest; the prefill leaves an entry
+at every multiple of ``prefix_block`` ids, and a request that finishes ("stop" or "length")
+leaves its final state, keyed by its prompt and the generated ids fed back (the next turn of a
+chat). Prompts that ask for prompt logprobs are scored in full (every position is needed).
+
 Fault isolation: when preparing requests (prefill, sampling rows) fails, each is retried alone,
 and only a request that fails alone is ended with an error. A failure of the shared device loop
 (insert, decode, move: they donate the slot buffers) ends the requests in the slots, rebuilds
@@ -37,6 +43,7 @@ from laplace_jax.config import ModelConfig
 from laplace_jax.errors import InvalidParamError, QueueFullError
 from laplace_jax.platform import prng_impl
 from laplace_jax.serve.compiles import CompileCounter
+from laplace_jax.serve.prefix_cache import PrefixCache, block_digests
 from laplace_jax.serve.programs import DevicePrograms
 from laplace_jax.serve.request import MAX_SEED, Completion, Request, SamplingParams, prng_key_data
 
@@ -80,10 +87,15 @@ class Engine:
         metrics: ServeMetrics | None = None,
         devices: Sequence[jax.Device] | None = None,
         prng: str = "auto",
+        prefix_cache_bytes: int = 0,
+        prefix_block: int | None = None,
     ):
         """``max_num_seqs``: decode slots per device; ``devices``: where slots live (default: the
         first local device; ``serve.py`` passes all of them); ``prng``: the sampling keys'
-        implementation (``platform.prng_impl``: "auto" is rbg on Neuron, threefry2x32 elsewhere)."""
+        implementation (``platform.prng_impl``: "auto" is rbg on Neuron, threefry2x32 elsewhere).
+        ``prefix_cache_bytes``: the prefix-state cache's budget per device (0: off);
+        ``prefix_block``: its block in ids (default: the lcm of 128 and ``prefill_chunk``; must be
+        a multiple of both, so a resumed prompt is cut into the same prefill calls)."""
         self.prng_impl = prng_impl(prng)
         self.cfg, self.eos_id = cfg, eos_id
         self.slots_per_device, self.prefill_chunk, self.steps_per_call = max_num_seqs, prefill_chunk, steps_per_call
@@ -111,6 +123,15 @@ class Engine:
             cfg, params, self.devices, max_num_seqs, prefill_chunk, steps_per_call, self.prng_impl
         )
         self.state_bytes = self.programs.state_bytes
+        unit = math.lcm(128, prefill_chunk)
+        block = prefix_block or unit
+        if block % unit:
+            raise ValueError(f"--prefix-block must be a multiple of {unit} (128 and the prefill chunk); got {block}")
+        if prefix_cache_bytes < 0:
+            raise ValueError(f"--prefix-cache-bytes must be >= 0; got {prefix_cache_bytes}")
+        self.prefix = (
+            PrefixCache(prefix_cache_bytes, self.state_bytes, block, self.n_devices) if prefix_cache_bytes else None
+        )
         if metrics is not None:
             metrics.set_devices(self.n_devices, self.slots_per_device)
 
@@ -323,6 +344,8 @@ class Engine:
         self._reap_cancelled()
         if any(self._rows):
             self._decode_once()
+        if self.metrics is not None:
+            self.metrics.on_engine(self.programs.prefilled_tokens, self.prefix)
 
     def _end_all(self, reason: str, message: str | None = None) -> None:
         with self._cv:
@@ -352,6 +375,8 @@ class Engine:
         self.restarts += 1
         if self.metrics is not None:
             self.metrics.restarts.inc()
+        if self.prefix is not None:
+            self.prefix.clear()
         try:
             self.programs.executables.clear()
             self.programs.slots = self.programs.new_slots()
@@ -419,7 +444,10 @@ class Engine:
         alone and end only those that fail alone. Returns (states, logits) or None if none is left."""
         try:
             score = any(r.sampling.prompt_logprobs is not None for g in placed.values() for r in g)
-            state, logits, scores = self.programs.prefill_rows({d: g[0].prompt_ids for d, g in placed.items()}, score)
+            prompts = {d: g[0].prompt_ids for d, g in placed.items()}
+            starts, on_block = self._resume(prompts) if self.prefix is not None and not score else ({}, None)
+            block = self.prefix.block if self.prefix is not None else 0
+            state, logits, scores = self.programs.prefill_rows(prompts, score, starts, on_block, block)
             for d, group in placed.items():
                 for r in group:
                     r.stops = frozenset(self._stop_ids(r.sampling))
@@ -436,6 +464,36 @@ class Engine:
                     del placed[d]
             return self._prepare(placed) if placed else None
         return state, logits
+
+    def _resume(self, prompts: dict[int, list[int]]) -> tuple[dict, Callable]:
+        """Each prompt's longest cached prefix ({d: (ids restored, state)}) and the prefill's
+        callback that caches the block states ``PrefixCache.blocks_to_keep`` picks (only for rows
+        whose numbers are those of a full prefill: no resume, or a resume from a block entry)."""
+        cache = self.prefix
+        starts, digests, keep = {}, {}, {}
+        for d, ids in prompts.items():
+            arr = np.asarray(ids, np.int32)
+            digests[d] = block_digests(arr, cache.block, len(arr) // cache.block)
+            hit = cache.lookup(arr, digests[d], d)
+            keep[d] = cache.blocks_to_keep(digests[d]) if hit is None or hit.exact else set()
+            if hit is not None:
+                starts[d] = (hit.length, hit.state)
+
+        def on_block(d: int, n: int, state: Any) -> None:
+            if n // cache.block in keep[d]:
+                cache.put_block(digests[d][n // cache.block - 1], n, d, state)
+
+        return starts, on_block
+
+    def _keep_ends(self, ended: dict[int, list[tuple[int, Request]]]) -> None:
+        """Cache the final states of requests that finished in local slots ``ended[d]`` (before
+        compaction moves them), keyed by the prompt and the generated ids fed back."""
+        while ended:
+            now = {d: items.pop() for d, items in ended.items()}
+            ended = {d: items for d, items in ended.items() if items}
+            states = self.programs.snapshot({d: i for d, (i, _) in now.items()})
+            for d, (_, req) in now.items():
+                self.prefix.put_end(np.asarray(req.prompt_ids + req.sampled[:-1], np.int32), d, states[d])
 
     def _admit(self) -> None:
         while True:
@@ -483,6 +541,7 @@ class Engine:
         request asked for them); return the finish reason it causes (stop tokens are not emitted,
         nor their logprobs)."""
         req.generated += 1
+        req.sampled.append(token)
         if token in req.stops:
             return "stop"
         if scored:
@@ -524,6 +583,7 @@ class Engine:
         toks, valid, lps = self.programs.decode(W)
         lp, top_ids, top_lp = _read_if(lps, self._live())
         done: dict[int, list[int]] = {}
+        ended: dict[int, list[tuple[int, Request]]] = {}  # finished as asked: their states are cached
         for d, rows in enumerate(self._rows):
             for i, req in enumerate(rows):
                 out, reason = [], None
@@ -541,8 +601,12 @@ class Engine:
                     req.send(out, reason)
                 if reason:
                     done.setdefault(d, []).append(i)
+                if reason in ("stop", "length") and not req.cancelled:
+                    ended.setdefault(d, []).append((i, req))
         if self.metrics is not None:
             self.metrics.on_decode(W, live, time.perf_counter() - t0, self.steps_per_call)
+        if ended and self.prefix is not None:
+            self._keep_ends(ended)
         if done:
             self._free(done)
 

@@ -42,6 +42,21 @@ class ServeMetrics:
         self.device_slots_total = Gauge(p + "device_slots_total", "Decode slots per device", registry=r)
         self.cache_hits = Counter(p + "compile_cache_hits_total", "Persistent compile cache hits", registry=r)
         self.cache_misses = Counter(p + "compile_cache_misses_total", "Persistent compile cache misses", registry=r)
+        self.prefill_tokens = Counter(
+            p + "prefill_tokens_total", "Prompt ids run through prefill (restored ones excluded)", registry=r
+        )
+        self.prefix_hits = Counter(p + "prefix_cache_hits_total", "Prompts resumed from a cached state", registry=r)
+        self.prefix_misses = Counter(p + "prefix_cache_misses_total", "Prompts with no cached prefix", registry=r)
+        self.prefix_tokens = Counter(
+            p + "prefix_cache_tokens_total", "Prompt ids restored from the prefix cache, not prefilled", registry=r
+        )
+        self.prefix_evictions = Counter(p + "prefix_cache_evictions_total", "Entries evicted (LRU)", registry=r)
+        self.prefix_cross = Counter(
+            p + "prefix_cache_cross_device_total", "Hits on another device's entry (one copy each)", registry=r
+        )
+        self.prefix_bytes = Gauge(p + "prefix_cache_bytes", "Bytes the prefix cache holds", ["device"], registry=r)
+        self.prefix_entries = Gauge(p + "prefix_cache_entries", "Entries the prefix cache holds", registry=r)
+        self._synced: dict[str, int] = {}
         jax.monitoring.register_event_listener(self._on_event)
 
     def _on_event(self, event: str, **_) -> None:
@@ -71,6 +86,25 @@ class ServeMetrics:
         self.padding.labels(str(width)).inc(sum(width - n for n in live) * steps)
         self.step_seconds.labels(str(width)).observe(seconds)
         self.itl.observe(seconds / steps)
+
+    def on_engine(self, prefilled_tokens: int, prefix) -> None:
+        """Bring the engine's own counters (prefill ids run; ``prefix``: its ``PrefixCache`` or
+        None) into the exported ones."""
+        now = {"prefill": prefilled_tokens}
+        if prefix is not None:
+            st = prefix.stats
+            now |= {"hits": st.hits, "misses": st.misses, "tokens": st.cached_tokens}
+            now |= {"evictions": st.evictions, "cross": st.cross_device}
+            for d, held in enumerate(prefix.held):
+                self.prefix_bytes.labels(str(d)).set(held)
+            self.prefix_entries.set(len(prefix))
+        counters = {"prefill": self.prefill_tokens, "hits": self.prefix_hits, "misses": self.prefix_misses}
+        counters |= {"tokens": self.prefix_tokens, "evictions": self.prefix_evictions, "cross": self.prefix_cross}
+        for name, value in now.items():
+            delta = value - self._synced.get(name, 0)
+            if delta > 0:
+                counters[name].inc(delta)
+            self._synced[name] = value
 
     def on_finish(self, req, reason: str, generated: int) -> None:
         self.finished.labels(reason).inc()

@@ -11,6 +11,13 @@ program is one SPMD executable over all D devices, AOT-compiled at warmup:
   decode[W] ``steps`` tokens (and their logprobs) for the first W local slots of every device
             (W: the per-device bucket)
   move      per device, copy local slot src_d into dst_d (compaction; src_d == dst_d: nothing)
+  snapshot  per device, a copy of local slot i_d's model state (the prefix cache's end entries)
+
+A finished row's state stays as it was after its last fed token (decode leaves a done row's state
+untouched), so a snapshot is the state after the prompt and the generated tokens fed back.
+Prefix-cache entries are per-device buffers: ``row_state`` takes device d's row of a [.., D, ..]
+state without a copy and ``assemble`` builds the prefill's starting state from such rows (no
+compile, no copy when each row already lives on its device).
 
 Every program works on the per-device view [.., D, S, ..] of the slot axis, so no data crosses
 devices. The slot buffers are donated through insert, decode and move.
@@ -110,6 +117,7 @@ class DevicePrograms:
         self.slots = self.new_slots()
         self.fresh = self._put_model(init_state(cfg, self.D))  # prefill's starting states, one per device
         self.state_bytes = sum(x.nbytes for x in jax.tree.leaves(init_state(cfg, 1)))
+        self.prefilled_tokens = 0  # prompt ids run through prefill (what the prefix cache saves)
 
     # ----- shardings ----------------------------------------------------------------------
     def _model_sharding(self) -> NamedSharding:
@@ -206,7 +214,13 @@ class DevicePrograms:
 
         def step(sub, _):
             r = sub["rows"]
-            logits, model = decode_step(self.cfg, params, r["token"], sub["model"])
+            logits, stepped = decode_step(self.cfg, params, r["token"], sub["model"])
+            live = ~r["done"]
+            model = jax.tree.map(  # a done row keeps its final state (the prefix cache's end entry)
+                lambda new, old: jnp.where(live.reshape(1, -1, *(1,) * (new.ndim - 2)), new, old),
+                stepped,
+                sub["model"],
+            )
             keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=self.prng), r["count"])
             tok = sample_rows(penalize(logits, r), r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
             valid = ~r["done"]
@@ -240,6 +254,16 @@ class DevicePrograms:
         rows = jax.tree.map(lambda x: _join(jax.vmap(mv)(_split(x, 0, D), src_D, dst_D), 0), slots["rows"])
         return self._constrain({"model": model, "rows": rows})
 
+    def _snapshot(self, slots, local_D):
+        D = self.D
+
+        def take(x):  # x [L, D*S, ..] -> [L, D, ..]: local slot local_D[d] of device d
+            xs = jnp.moveaxis(_split(x, MODEL_SLOT_AXIS, D), 1, 0)  # [D, L, S, ..]
+            out = jax.vmap(lambda b, i: jax.lax.dynamic_index_in_dim(b, i, 1, keepdims=False))(xs, local_D)
+            return jnp.moveaxis(out, 0, 1)
+
+        return jax.lax.with_sharding_constraint(jax.tree.map(take, slots["model"]), self._model_sharding())
+
     # ----- compilation --------------------------------------------------------------------
     def _abstract(self, tree, sharding):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
@@ -260,6 +284,7 @@ class DevicePrograms:
             ("score", D, self._prefill, (self.params, tokens, state_D, ints, logits, tokens), ()),
             ("insert", D, self._insert, (slots, state_D, logits, req, ints), (0,)),
             ("move", D, self._move, (slots, ints, ints), (0,)),
+            ("snapshot", D, self._snapshot, (slots, ints), ()),
         ]
         return out + [self.decode_program(w) for w in widths]
 
@@ -282,13 +307,30 @@ class DevicePrograms:
         return self.executables.get((name, width))
 
     # ----- host calls ---------------------------------------------------------------------
-    def prefill_rows(self, prompts: dict[int, list[int]], score: bool = False):
+    def prefill_rows(
+        self,
+        prompts: dict[int, list[int]],
+        score: bool = False,
+        starts: dict[int, tuple[int, Any]] | None = None,
+        on_block: Callable[[int, int, Any], None] | None = None,
+        block: int = 0,
+    ):
         """Prefill prompt ``prompts[d]`` on device d (others idle): (states [D], last logits [D, V],
         scores). With ``score``: scores[d] is the prompt's ``TokenLogprob`` list (None for its first
-        token, which nothing predicts); else scores is None."""
+        token, which nothing predicts); else scores is None.
+
+        ``starts[d] = (n, state)``: row d resumes from ``state`` (one sequence's state, on any
+        device), the state after its first n ids, and prefills the rest (not with ``score``).
+        ``on_block(d, n, state)`` is called with row d's state (on device d) each time a full
+        prefill call ends at a multiple n of ``block`` ids."""
         D, P_ = self.D, self.prefill_chunk
-        state, logits = self.fresh, np.zeros((D, self.cfg.vocab_size), np.float32)
-        longest = max(len(ids) for ids in prompts.values())
+        starts = starts or {}
+        if score and starts:
+            raise ValueError("scoring a prompt needs every position: it cannot resume from a cached state")
+        state = self.assemble({d: s for d, (_, s) in starts.items()}) if starts else self.fresh
+        logits = np.zeros((D, self.cfg.vocab_size), np.float32)
+        offset = {d: starts[d][0] if d in starts else 0 for d in prompts}
+        longest = max(len(ids) - offset[d] for d, ids in prompts.items())
         ex = self.executables[("score" if score else "prefill", D)]
         scores: dict[int, list] | None = {d: [None] for d in prompts} if score else None
         for start in range(0, longest, P_):
@@ -296,19 +338,58 @@ class DevicePrograms:
             nxt = np.zeros((D, P_), np.int32)
             lengths = np.zeros((D,), np.int32)
             for d, ids in prompts.items():
-                piece, following = ids[start : start + P_], ids[start + 1 : start + P_ + 1]
+                at = offset[d] + start
+                piece, following = ids[at : at + P_], ids[at + 1 : at + P_ + 1]
                 chunk[d, : len(piece)] = piece
                 nxt[d, : len(following)] = following
                 lengths[d] = len(piece)
+            self.prefilled_tokens += int(lengths.sum())
             if not score:
                 logits, state = ex(self.params, chunk, state, lengths, logits)
-                continue
-            logits, state, (lp, top_ids, top_lp) = ex(self.params, chunk, state, lengths, logits, nxt)
-            lp, top_ids, top_lp = np.asarray(lp).tolist(), np.asarray(top_ids).tolist(), np.asarray(top_lp).tolist()
-            for d, ids in prompts.items():  # position j scores token j + 1 of the prompt
-                n = max(0, min(P_, len(ids) - 1 - start))
-                scores[d].extend((lp[d][j], top_ids[d][j], top_lp[d][j]) for j in range(n))
+            else:
+                logits, state, (lp, top_ids, top_lp) = ex(self.params, chunk, state, lengths, logits, nxt)
+                lp, top_ids, top_lp = np.asarray(lp).tolist(), np.asarray(top_ids).tolist(), np.asarray(top_lp).tolist()
+                for d, ids in prompts.items():  # position j scores token j + 1 of the prompt
+                    n = max(0, min(P_, len(ids) - 1 - start))
+                    scores[d].extend((lp[d][j], top_ids[d][j], top_lp[d][j]) for j in range(n))
+            if on_block is not None:
+                for d in prompts:
+                    end = offset[d] + start + P_
+                    if lengths[d] == P_ and end % block == 0:
+                        on_block(d, end, self.row_state(state, d))
         return state, logits, scores
+
+    def row_state(self, state_D, d: int):
+        """Device d's row of a [L, D, ..] state: one sequence's state on device d (no copy)."""
+        dev = self.mesh.devices.flat[d]
+        return jax.tree.map(lambda x: next(s.data for s in x.addressable_shards if s.device == dev), state_D)
+
+    def assemble(self, rows: dict[int, Any]):
+        """A [L, D, ..] starting state whose row d is ``rows[d]`` (one sequence's state, copied to
+        device d if it lives elsewhere) and a fresh state elsewhere. No compile."""
+
+        def build(fresh, *given):
+            by_device = dict(zip(rows, given, strict=True))
+            own = {s.device: s.data for s in fresh.addressable_shards}
+            shards = []
+            for d, dev in enumerate(self.mesh.devices.flat):
+                x = by_device.get(d)
+                if x is None:
+                    x = own[dev]
+                elif x.devices() != {dev}:
+                    x = jax.device_put(x, dev)
+                shards.append(x)
+            return jax.make_array_from_single_device_arrays(fresh.shape, fresh.sharding, shards)
+
+        return jax.tree.map(build, self.fresh, *rows.values())
+
+    def snapshot(self, local: dict[int, int]) -> dict[int, Any]:
+        """Device d's local slot ``local[d]`` model state, copied out: {d: one sequence's state}."""
+        idx = np.zeros((self.D,), np.int32)
+        for d, i in local.items():
+            idx[d] = i
+        state = self.executables[("snapshot", self.D)](self.slots, idx)
+        return {d: self.row_state(state, d) for d in local}
 
     def insert(self, state, logits, requests: dict[int, tuple[int, dict]]):
         """Write device d's prefilled row into its local slot ``requests[d][0]`` with sampling row

@@ -56,6 +56,7 @@ class _Common(_Strict):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    return_tokens_as_token_ids: bool = False
 
 
 class CompletionRequest(_Common):
@@ -134,28 +135,31 @@ def encode_text(tok: Tokenizer, text: str) -> list[int]:
     return ids
 
 
-def token_text(tok: Tokenizer, token_id: int) -> str:
-    return tok.decode([token_id])
+def token_text(tok: Tokenizer, token_id: int, as_id: bool = False) -> str:
+    """A token's text in logprobs; ``as_id``: "token_id:<id>" (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}" if as_id else tok.decode([token_id])
 
 
-def completion_logprobs(tok: Tokenizer, ids: list[int], entries: list[TokenLogprob | None], offset: int) -> dict:
+def completion_logprobs(
+    tok: Tokenizer, ids: list[int], entries: list[TokenLogprob | None], offset: int, as_ids: bool = False
+) -> dict:
     """The completions ``logprobs`` object for ``ids`` and their scores (None: unscored, the
     prompt's first token). ``top_logprobs`` holds the requested most likely tokens plus the chosen
     one (vLLM's convention); tokens whose text coincides keep the likelier entry. ``text_offset``
-    counts characters from ``offset``."""
-    tokens = [token_text(tok, t) for t in ids]
+    counts characters from ``offset`` (of the tokens' text, also with ``as_ids``)."""
+    tokens = [token_text(tok, t, as_ids) for t in ids]
     top: list[dict[str, float] | None] = []
     offsets = []
     for t, text, e in zip(ids, tokens, entries, strict=True):
         offsets.append(offset)
-        offset += len(text)
+        offset += len(token_text(tok, t)) if as_ids else len(text)
         if e is None:
             top.append(None)
             continue
         d: dict[str, float] = {}
         for i, lp in zip(e[1], e[2], strict=True):
-            d.setdefault(token_text(tok, i), lp)
-        d.setdefault(token_text(tok, t), e[0])
+            d.setdefault(token_text(tok, i, as_ids), lp)
+        d.setdefault(text, e[0])
         top.append(d)
     return {
         "tokens": tokens,
@@ -165,11 +169,11 @@ def completion_logprobs(tok: Tokenizer, ids: list[int], entries: list[TokenLogpr
     }
 
 
-def chat_logprobs(tok: Tokenizer, ids: list[int], entries: list[TokenLogprob]) -> dict:
+def chat_logprobs(tok: Tokenizer, ids: list[int], entries: list[TokenLogprob], as_ids: bool = False) -> dict:
     """The chat ``logprobs`` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
 
     def item(token_id: int, lp: float) -> dict:
-        text = token_text(tok, token_id)
+        text = token_text(tok, token_id, as_ids)
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
     return {

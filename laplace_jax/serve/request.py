@@ -41,6 +41,8 @@ class SamplingParams:
     sampled token's logprob and the ``logprobs`` most likely tokens' (0..20), from the model's
     own distribution (log-softmax of the raw logits); ``prompt_logprobs`` the same for the
     prompt's tokens. ``max_tokens`` 0 scores the prompt only (needs ``prompt_logprobs``).
+    ``return_tokens_as_token_ids``: logprobs name each token "token_id:<id>" instead of its text
+    (so a client can rebuild the exact ids, e.g. for a chat's next turn).
     """
 
     max_tokens: int = 16
@@ -58,6 +60,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
 
     def check(self, vocab_size: int) -> None:
         """Raise ``InvalidParamError`` for any field outside its documented range."""
@@ -133,6 +136,7 @@ class Request:
     started_at: float | None = None
     first_token_at: float | None = None
     generated: int = 0
+    sampled: list[int] = dataclasses.field(default_factory=list)  # every sampled id, stop ids included
     error: str | None = None
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None

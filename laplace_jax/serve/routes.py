@@ -159,6 +159,7 @@ class Server:
             logit_bias=bias,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            return_tokens_as_token_ids=body.return_tokens_as_token_ids,
         )
 
     def _check_model(self, name: str | None) -> None:
@@ -295,9 +296,9 @@ class Server:
 
     def _choice(self, s: _Seq, index: int, chat: bool, echo: bool, logprobs: int | None) -> dict:
         r = s.req
-        gen = r.logprobs[: len(s.tokens)]
+        gen, as_ids = r.logprobs[: len(s.tokens)], r.sampling.return_tokens_as_token_ids
         if chat:
-            lp = pr.chat_logprobs(self.tok, s.tokens, gen) if logprobs is not None else None
+            lp = pr.chat_logprobs(self.tok, s.tokens, gen, as_ids) if logprobs is not None else None
             message = {"role": "assistant", "content": s.out}
             return {"index": index, "message": message, "logprobs": lp, "finish_reason": s.finish}
         prefix = self.tok.decode(r.prompt_ids) if echo else ""
@@ -306,7 +307,7 @@ class Server:
             ids, entries = s.tokens, gen
             if echo:
                 ids, entries = r.prompt_ids + s.tokens, r.prompt_logprobs + gen
-            lp = pr.completion_logprobs(self.tok, ids, entries, 0 if echo else len(prefix))
+            lp = pr.completion_logprobs(self.tok, ids, entries, 0 if echo else len(prefix), as_ids)
         return {"index": index, "text": prefix + s.out, "logprobs": lp, "finish_reason": s.finish}
 
     async def _complete(self, request, prompts, sp, n, best_of, stops, include_stop, chat, echo):
@@ -346,14 +347,15 @@ class Server:
             entries = s.req.logprobs[started : len(s.tokens)]
             if chat:
                 d = {"content": delta} | ({"role": "assistant"} if started == 0 else {})
-                lp = pr.chat_logprobs(self.tok, tokens, entries) if sp.logprobs is not None else None
+                as_ids = sp.return_tokens_as_token_ids
+                lp = pr.chat_logprobs(self.tok, tokens, entries, as_ids) if sp.logprobs is not None else None
                 choice = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": s.finish}
             else:
                 if echo and started == 0:
                     delta = self.tok.decode(s.req.prompt_ids) + delta
                 lp = None
                 if sp.logprobs is not None:
-                    lp = pr.completion_logprobs(self.tok, tokens, entries, len(s.out))
+                    lp = pr.completion_logprobs(self.tok, tokens, entries, len(s.out), sp.return_tokens_as_token_ids)
                 choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": s.finish}
             choice["index"] = s.prompt * n + s.ordinal
             return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
