@@ -240,7 +240,7 @@ def time_to_ready(cfg, params) -> dict:
     return out
 
 
-def prefix_cache(cfg, params, repeats: int = 3) -> dict:
+def prefix_cache(cfg, params, repeats: int = 5) -> dict:
     """The prefix-state cache, on (1 GiB) and off, two servers side by side: a 2,048-id shared
     prefix + 32-id suffix one request at a time (TTFT of hits vs misses), 3-turn chats (ids
     prefilled per turn, from the engine's counter), and a no-sharing workload (output throughput,

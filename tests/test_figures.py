@@ -41,3 +41,15 @@ def test_every_claim_has_a_location():
     from benchmarks.check_figures import LOCATIONS
 
     assert {(d, r) for d, r, _ in CLAIMS} == set(LOCATIONS)
+
+
+def test_uncovered_lists_an_unbacked_figure_and_not_a_backed_one(tmp_path):
+    from benchmarks.check_figures import uncovered
+
+    root = _copy_repo(tmp_path)
+    before = uncovered(str(root))
+    text = (root / "BENCHMARKS.md").read_text()
+    (root / "BENCHMARKS.md").write_text(text + "\n## New section\n\nA step took 12.34 s and used 5.67 GiB.\n")
+    added = [f for f in uncovered(str(root)) if f not in before]
+    assert added == [("BENCHMARKS.md", "## New section", "12.34 s"), ("BENCHMARKS.md", "## New section", "5.67 GiB")]
+    assert not any(f[2] == "1.04 GiB" and "Decode step memory (3B" in f[1] for f in before)  # a claimed cell

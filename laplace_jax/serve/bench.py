@@ -10,11 +10,13 @@ prompts followed by --input-len random ids (K system prompts x many users).
 ``--workload multi-turn``: --num-prompts chats of --turns turns, run turn by turn; each turn's
 prompt is the previous turn's prompt and reply plus --input-len new ids (the reply's ids come
 back as logprobs with ``return_tokens_as_token_ids``). It reports TTFT per turn and, from the
-server's /metrics where it has them, the ids prefilled and restored from the prefix cache per turn. Arrival gaps
-are gamma-distributed (shape = burstiness; 1 = Poisson), drawn in advance and rescaled to span
+server's /metrics where it has them, the ids prefilled and restored from the prefix cache per turn.
+
+Arrival gaps are gamma-distributed (shape = burstiness; 1 = Poisson), drawn in advance and rescaled to span
 num_prompts / rate. Streams every request and reports TTFT, TPOT = (E2EL - TTFT) / (out - 1),
 ITL (gaps between streamed chunks) and E2EL: mean, median, p90, p99; request, output-token and
-total-token throughput.
+total-token throughput. A chunk counts when it carries a token, also one whose text the server
+still holds back (an incomplete UTF-8 sequence of the byte tokenizer).
 
     python -m laplace_jax.serve.bench --soak --model tiny --num-prompts 2000 --max-concurrency 32 \\
         [--server-pid PID] --out soak.json
@@ -74,7 +76,8 @@ async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
                 lp = chunk["choices"][0].get("logprobs") if chunk.get("choices") else None
                 if lp:  # "token_id:<id>" (return_tokens_as_token_ids)
                     ids += [int(t.split(":", 1)[1]) for t in lp["tokens"]]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                choice = chunk["choices"][0] if chunk.get("choices") else None
+                if choice and (choice.get("text") or choice.get("finish_reason") is None):  # a token arrived
                     now = time.perf_counter()
                     ttft = ttft if ttft is not None else now - t0
                     stamps.append(now)
