@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import sys
 from collections.abc import Callable
 
@@ -315,12 +316,69 @@ SERVE_CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
 CLAIMS += SERVE_CLAIMS
 
 
+def _prefix_row(config: str, label: str) -> Callable[[dict], str]:
+    """A row of the prefix-cache table: TTFTs, their ratio, no-sharing throughput medians, ratio."""
+
+    def fmt(r: dict) -> str:
+        x = r["configs"][config]["prefix_cache"]
+        off, on = x["off"], x["on"]
+        ttft = [f"{1e3 * v['shared_prefix']['ttft_rest_median_s']:,.1f} ms" for v in (off, on)]
+        rate = [statistics.median(v["no_sharing_output_throughput"]) for v in (off, on)]
+        rates = " / ".join(f"{v:,.0f}" if v > 1000 else f"{v:.1f}" for v in rate)
+        return (
+            f"| {label} | {ttft[0]} | {ttft[1]} | **{x['ttft_hit_over_miss']:.3f}** | {rates} | "
+            f"{x['throughput_on_over_off']:.3f} |"
+        )
+
+    return fmt
+
+
+def _turn_row(turn: int) -> Callable[[dict], str]:
+    """A row of the chat table; both models must give the same counts."""
+
+    def fmt(r: dict) -> str:
+        rows = {
+            c: [v["prefix_cache"][label]["multi_turn"][turn - 1] for label in ("off", "on")]
+            for c, v in r["configs"].items()
+        }
+        if len({json.dumps(v, sort_keys=True, default=str) for v in _counts(rows).values()}) != 1:
+            return "(the models' chat counts differ)"
+        off, on = next(iter(rows.values()))
+        return (
+            f"| {turn} | {on['prompt_tokens']:,} | {on['new_tokens']:,} | {off['prefilled_tokens']:,.0f} | "
+            f"{on['prefilled_tokens']:,.0f} | {on['restored_tokens']:,.0f} |"
+        )
+
+    return fmt
+
+
+def _counts(rows: dict) -> dict:
+    keys = ("prompt_tokens", "new_tokens", "prefilled_tokens", "restored_tokens")
+    return {c: [[t[k] for k in keys] for t in v] for c, v in rows.items()}
+
+
 def _pol(r: dict, name: str) -> dict:
     return next(p for p in r["policies"] if p["remat"] == name)
 
 
 REMATS = ("none", "full", "save_dots", "save_gla")
 CLAIMS += [
+    ("BENCHMARKS.md", "prefix_cache_cpu.json", _prefix_row("tiny", "tiny")),
+    ("BENCHMARKS.md", "prefix_cache_cpu.json", _prefix_row("small_100m", "~100M")),
+    *(("BENCHMARKS.md", "prefix_cache_cpu.json", _turn_row(t)) for t in (1, 2, 3)),
+    (
+        "BENCHMARKS.md",
+        "prefix_cache_cpu.json",
+        lambda r: (
+            "spread between alternated runs: "
+            + " off, ".join(
+                f"{min(v):,.0f}-{max(v):,.0f}"
+                for v in (
+                    r["configs"]["tiny"]["prefix_cache"][k]["no_sharing_output_throughput"] for k in ("off", "on")
+                )
+            )
+        ),
+    ),
     *(
         (
             "BENCHMARKS.md",
@@ -398,6 +456,7 @@ LOCATIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("BENCHMARKS.md", "memory_step_340m.json"): ("### Train-step memory per remat policy",),
     ("BENCHMARKS.md", "memory_step_100m.json"): ("### Train-step memory per remat policy",),
     ("BENCHMARKS.md", "memory_step_340m_standin.json"): ("### Train-step memory per remat policy",),
+    ("BENCHMARKS.md", "prefix_cache_cpu.json"): ("## Prefix-state cache (tiny and ~100M models, random weights, CPU)",),
     ("BENCHMARKS.md", "serve_cpu_100m.json"): ("## Serving (~100M model, random weights, CPU)",),
     ("BENCHMARKS.md", "soak_cpu_tiny.json"): ("## Serving soak (tiny model, random weights, CPU)",),
     ("BENCHMARKS.md", "soak_cpu_tiny_6000.json"): ("## Serving soak (tiny model, random weights, CPU)",),
