@@ -357,6 +357,109 @@ def _counts(rows: dict) -> dict:
     return {c: [[t[k] for k in keys] for t in v] for c, v in rows.items()}
 
 
+def _gla_row(impl: str, label: str) -> Callable[[dict], str]:
+    """A row of the GLA kernel table: "| chunk, C=64 | 292 | 952 | 10.4% | 9.6% | 5.9% | 8.6x |"."""
+
+    def fmt(r: dict) -> str:
+        x = r["impls"][impl]
+        cells = [
+            f"{1e3 * x['fwd_s']:,.0f}",
+            f"{1e3 * x['fwd_bwd_s']:,.0f}",
+            f"{x['fwd_fraction_of_flop_peak']:.1%}",
+            f"{x['fwd_bwd_fraction_of_flop_peak']:.1%}",
+            f"{x['fwd_bwd_fraction_of_bandwidth']:.1%}",
+            f"{x['fwd_bwd_speedup_over_recurrent']:.1f}x",
+        ]
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    return fmt
+
+
+def _gla_ratio(r: dict, num: str, den: str, key: str) -> float:
+    return r["impls"][num][key] / r["impls"][den][key]
+
+
+GLA_ROWS = (
+    ("chunk64", "chunk, C=64"),
+    ("chunk128", "chunk, C=128"),
+    ("chunk256", "chunk, C=256"),
+    ("baseline128", "before (autodiff'd kernel), C=128"),
+    ("recurrent", "`recurrent_gla`"),
+)
+CLAIMS += [
+    *(("BENCHMARKS.md", "gla_cpu.json", _gla_row(i, label)) for i, label in GLA_ROWS),
+    (
+        "BENCHMARKS.md",
+        "gla_cpu.json",
+        lambda r: f"C=128 forward+backward **{_gla_ratio(r, 'baseline128', 'chunk128', 'fwd_bwd_s'):.2f}x**",
+    ),
+    ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"forward {_gla_ratio(r, 'baseline128', 'chunk128', 'fwd_s'):.2f}x"),
+    ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"**{_gla_ratio(r, 'baseline128', 'chunk64', 'fwd_bwd_s'):.1f}x**"),
+    (
+        "BENCHMARKS.md",
+        "gla_cpu.json",
+        lambda r: (
+            f"**{r['impls']['chunk128']['fwd_bwd_speedup_over_recurrent']:.1f}x** (C=128) and "
+            f"**{r['impls']['chunk64']['fwd_bwd_speedup_over_recurrent']:.1f}x** (C=64)"
+        ),
+    ),
+    ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"**{r['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s**"),
+]
+
+
+def _coll_row(label: str, kind: str, source: str | None, wire: bool) -> Callable[[dict], str]:
+    """A row of the plan's collectives table: "| label | ops | bytes | wire |"."""
+
+    def fmt(r: dict) -> str:
+        by_source = r["train_step_collectives_by_source"]
+        x = by_source[source][kind] if source else r["train_step_collectives_per_device"][kind]
+        w = f" {r['wire_bytes_per_device'][kind] / 1e9:.3f} GB " if wire else " "
+        return f"| {label} | {x['ops']:.0f} | {x['bytes'] / 1e9:.3f} GB |{w}|"
+
+    return fmt
+
+
+def _cost_row(label: str, key: str) -> Callable[[dict], str]:
+    """A row of the plan's time-and-cost table."""
+
+    def fmt(r: dict) -> str:
+        c = r["cost"]
+        x = c[key]
+        mfu = x.get("mfu", x["tokens_per_s"] / c["overlapped"]["tokens_per_s"])
+        return (
+            f"| {label} | {x['tokens_per_s']:,.0f} | {x['step_s']:.2f} s | {x['days']:.1f} | "
+            f"{x['instance_hours']:.0f} | {100 * mfu:.0f}% |"
+        )
+
+    return fmt
+
+
+PLAN_ROWS = (
+    ("all-to-all: Muon (shard_map, bf16 payload)", "all-to-all", None, True),
+    ("all-gather: weights in bf16 (`gathered`, forward and rematerialised backward)", "all-gather", "weights", False),
+    ("all-gather: the embedding table in bf16 (forward)", "all-gather", "embeddings", False),
+    ("all-gather: total", "all-gather", None, True),
+    ("reduce-scatter: every gradient to its shard, fp32", "reduce-scatter", None, True),
+    ("all-reduce: loss, norm gains, gradient norm", "all-reduce", None, True),
+)
+CLAIMS += [
+    *(("BENCHMARKS.md", "plan_3b.json", _coll_row(*row)) for row in PLAN_ROWS),
+    ("BENCHMARKS.md", "plan_3b.json", _cost_row("roofline, communication overlapped", "overlapped")),
+    ("BENCHMARKS.md", "plan_3b.json", _cost_row("roofline, communication serial", "serial")),
+    ("BENCHMARKS.md", "plan_3b.json", _cost_row("Laplace 3B, original team (measured)", "seed")),
+    (
+        "BENCHMARKS.md",
+        "plan_3b.json",
+        lambda r: (
+            "| "
+            + " | ".join(f"{r['memory_per_device'][k] / GiB:.2f} GiB" for k in ("arguments", "temporaries", "total"))
+            + f" of 24 GiB ({r['memory_per_device']['total'] / (24 * GiB):.0%}) |"
+        ),
+    ),
+    ("BENCHMARKS.md", "plan_3b.json", lambda r: f"Communication is {r['cost']['comm_over_compute']:.2f} of compute"),
+]
+
+
 def _pol(r: dict, name: str) -> dict:
     return next(p for p in r["policies"] if p["remat"] == name)
 
