@@ -487,6 +487,81 @@ DECODE_ROWS = (
 CLAIMS += [("BENCHMARKS.md", f, _decode_row(*row)) for f, row in DECODE_ROWS]
 
 
+def _train_row(name: str) -> Callable[[dict], str]:
+    """A training-step table row: config, params, tokens/step, step, tokens/s, MFU, memory."""
+
+    def fmt(r: dict) -> str:
+        x = r["runs"][name]
+        p = x["params"]
+        params = f"{p / 1e6:.1f}M"
+        step = f"{x['step_s']:.2f} s" if x["step_s"] < 10 else f"{x['step_s']:.1f} s"
+        return (
+            f"| {name} | {params} | {x['tokens_per_step']:,} | {step} | {x['tokens_per_s']:,.0f} | "
+            f"{100 * x['mfu']:.1f}% | {x['memory']['total'] / GiB:.2f} GiB |"
+        )
+
+    return fmt
+
+
+def _sampler_row(file_key: int, keys: str) -> Callable[[dict], str]:
+    def fmt(r: dict) -> str:
+        x = r["sampler"][file_key]
+        return f"| {keys} | {x['sampler_bytes_accessed'] / 1e9:.3f} GB |"
+
+    return fmt
+
+
+def _muon_row(payload: str, dtype: str) -> Callable[[dict], str]:
+    def fmt(r: dict) -> str:
+        x = r[dtype]
+        cells = [
+            f"{x['all_to_all_ops_per_step']:.0f}",
+            f"{x['all_to_all_bytes_per_rank'] / 1e9:.3f} GB",
+            f"{x['ideal_all_to_all_bytes_per_rank'] / 1e9:.3f} GB",
+            f"{x['gather_baseline_bytes_per_rank'] / 1e9:.3f} GB",
+            f"{x['reduction_vs_gather']:.1f}x",
+            f"{x['ns_busiest_over_mean']:.3f}",
+            f"{x['ns_executed_over_mean']:.3f}",
+        ]
+        return f"| {payload} | " + " | ".join(cells) + " |"
+
+    return fmt
+
+
+CLAIMS += [
+    ("BENCHMARKS.md", "train_cpu.json", _train_row("tiny")),
+    ("BENCHMARKS.md", "train_cpu.json", _train_row("small_100m")),
+    ("BENCHMARKS.md", "muon_3b.json", _muon_row("fp32", "float32")),
+    ("BENCHMARKS.md", "muon_3b.json", _muon_row("bf16", "bfloat16")),
+    ("BENCHMARKS.md", "muon_3b.json", lambda r: f"{r['float32']['ns_flops_total']:.2e} FLOPs".replace("e+", "e")),
+    (
+        "BENCHMARKS.md",
+        "sampler_3b.json",
+        lambda r: f"written once: {r['sampler'][0]['decode_min_bytes'] / 1e9:.2f} GB)",
+    ),
+    *(
+        (
+            "BENCHMARKS.md",
+            "sampler_3b.json",
+            lambda r, i=i: (
+                f"**{100 * r['sampler'][i]['share_of_bytes']:.1f}%** | {100 * r['sampler'][i]['share_of_flops']:.2f}% |"
+            ),
+        )
+        for i in (0, 1)
+    ),
+    *(
+        (
+            "BENCHMARKS.md",
+            "sampler_3b_before.json",
+            lambda r, i=i: (
+                f"{100 * r['sampler'][i]['share_of_bytes']:.1f}% | {100 * r['sampler'][i]['share_of_flops']:.2f}% |"
+            ),
+        )
+        for i in (0, 1)
+    ),
+]
+
+
 def _pol(r: dict, name: str) -> dict:
     return next(p for p in r["policies"] if p["remat"] == name)
 
