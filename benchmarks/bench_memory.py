@@ -137,14 +137,16 @@ def step_report(config: str, batch: int, seq: int, dtype: str, remat: str, time_
     return rep
 
 
-def decode_report(config: str, width: int, weights_dtype: str, compute_dtype: str | None) -> dict:
+def decode_report(
+    config: str, width: int, weights_dtype: str, compute_dtype: str | None, scan_layers: bool = True
+) -> dict:
     import dataclasses
 
     from laplace_jax.config import load_config_file, model_config
     from laplace_jax.models.gla_lm import abstract_params, decode_step, init_state, pack_weights
 
     cfg = model_config(load_config_file(config))
-    cfg = dataclasses.replace(cfg, dtype=compute_dtype or cfg.dtype)
+    cfg = dataclasses.replace(cfg, dtype=compute_dtype or cfg.dtype, scan_layers=scan_layers)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(weights_dtype)), abstract_params(cfg))
     params = jax.eval_shape(pack_weights, params)  # as serving places them
     state = jax.eval_shape(lambda: init_state(cfg, width))
@@ -163,6 +165,7 @@ def decode_report(config: str, width: int, weights_dtype: str, compute_dtype: st
         "width": width,
         "weights_dtype": weights_dtype,
         "compute_dtype": cfg.dtype,
+        "scan_layers": scan_layers,
         "weights_bytes": w_bytes,
         "state_bytes": s_bytes,
         "min_bytes": minimum,
@@ -234,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--width", type=int, nargs="+", default=[256])
     d.add_argument("--weights-dtype", default="bfloat16")
     d.add_argument("--compute-dtype", default=None, help="override model.dtype (default: the config's)")
+    d.add_argument(
+        "--unrolled", action="store_true", help="model.scan_layers=False (XLA's cost analysis then counts every layer)"
+    )
     sm = sub.add_parser("sampler", help="the serving sampler's share of a decode step (cost analysis)")
     sm.add_argument("--config", required=True)
     sm.add_argument("--width", type=int, default=256)
@@ -255,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         cols = ("W", "weights GB", "state GB", "min GB", "accessed GB", "x min", "temps GiB")
         print(" ".join(f"{c:>{max(6, len(c))}}" for c in cols))
         for w in a.width:
-            r = decode_report(a.config, w, a.weights_dtype, a.compute_dtype)
+            r = decode_report(a.config, w, a.weights_dtype, a.compute_dtype, not a.unrolled)
             res["decode"].append(r)
             print(
                 f"{w:>6} {r['weights_bytes'] / 1e9:>10.2f} {r['state_bytes'] / 1e9:>8.2f} {r['min_bytes'] / 1e9:>6.2f} "

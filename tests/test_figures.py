@@ -53,3 +53,23 @@ def test_uncovered_lists_an_unbacked_figure_and_not_a_backed_one(tmp_path):
     added = [f for f in uncovered(str(root)) if f not in before]
     assert added == [("BENCHMARKS.md", "## New section", "12.34 s"), ("BENCHMARKS.md", "## New section", "5.67 GiB")]
     assert not any(f[2] == "1.04 GiB" and "Decode step memory (3B" in f[1] for f in before)  # a claimed cell
+
+
+def test_every_number_with_a_unit_is_checked_or_declared():
+    """A figure added to README/BENCHMARKS must come with a claim (a committed JSON) or an
+    entry in benchmarks/not_measured.py saying what it is (target, input, reference, ...)."""
+    from benchmarks.check_figures import uncovered
+
+    assert uncovered() == []
+
+
+def test_not_measured_lists_only_numbers_that_are_there():
+    from benchmarks.check_figures import uncovered
+    from benchmarks.not_measured import NOT_MEASURED
+
+    present = set(uncovered(exempt=False))
+    kinds = {"target", "input", "reference", "derived", "history", "unstored"}
+    for (doc, head), figures in NOT_MEASURED.items():
+        for fig, kind in figures.items():
+            assert kind in kinds, (doc, head, fig, kind)
+            assert (doc, head, fig) in present, f"stale entry: {doc} {head}: {fig}"

@@ -198,10 +198,16 @@ def prefill(
     return GLALM(cfg, _is_packed(params)).apply({"params": params}, tokens_BxT, state, lengths_B)
 
 
-def decode_step(cfg: ModelConfig, params: Params, token_B: Array, state: State) -> tuple[Array, State]:
-    """Advance every sequence by one token with the recurrent step: (logits [B, V], state)."""
+def decode_step(
+    cfg: ModelConfig, params: Params, token_B: Array, state: State, live_B: Array | None = None
+) -> tuple[Array, State]:
+    """Advance every sequence by one token with the recurrent step: (logits [B, V], state).
+
+    ``live_B`` (bool): a row where it is False keeps its state bit for bit (its token is treated
+    as padding inside the layers' own update, so no state-sized select is added)."""
     _check_tokens(token_B, 1, "token")
     _check_state(cfg, state, token_B.shape[0])
     params = pack_weights(params)
-    logits, state = GLALM(cfg, _is_packed(params)).apply({"params": params}, token_B[:, None], state)
+    lengths = None if live_B is None else live_B.astype(jnp.int32)
+    logits, state = GLALM(cfg, _is_packed(params)).apply({"params": params}, token_B[:, None], state, lengths)
     return logits[:, 0], state

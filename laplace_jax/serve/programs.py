@@ -13,8 +13,9 @@ program is one SPMD executable over all D devices, AOT-compiled at warmup:
   move      per device, copy local slot src_d into dst_d (compaction; src_d == dst_d: nothing)
   snapshot  per device, a copy of local slot i_d's model state (the prefix cache's end entries)
 
-A finished row's state stays as it was after its last fed token (decode leaves a done row's state
-untouched), so a snapshot is the state after the prompt and the generated tokens fed back.
+A finished row's state stays as it was after its last fed token (decode treats a done row's
+token as padding, which leaves its state bit for bit), so a snapshot is the state after the
+prompt and the generated tokens fed back.
 Prefix-cache entries are per-device buffers: ``row_state`` takes device d's row of a [.., D, ..]
 state without a copy and ``assemble`` builds the prefill's starting state from such rows (no
 compile, no copy when each row already lives on its device).
@@ -214,13 +215,8 @@ class DevicePrograms:
 
         def step(sub, _):
             r = sub["rows"]
-            logits, stepped = decode_step(self.cfg, params, r["token"], sub["model"])
-            live = ~r["done"]
-            model = jax.tree.map(  # a done row keeps its final state (the prefix cache's end entry)
-                lambda new, old: jnp.where(live.reshape(1, -1, *(1,) * (new.ndim - 2)), new, old),
-                stepped,
-                sub["model"],
-            )
+            # a done row keeps its final state (the prefix cache's end entry)
+            logits, model = decode_step(self.cfg, params, r["token"], sub["model"], ~r["done"])
             keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=self.prng), r["count"])
             tok = sample_rows(penalize(logits, r), r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
             valid = ~r["done"]
