@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     from laplace_jax.serve.engine import Engine
     from laplace_jax.serve.launch import make_uvicorn
     from laplace_jax.serve.metrics import ServeMetrics
+    from laplace_jax.serve.prefix_cache import ENTRY_OVERHEAD_BYTES
     from laplace_jax.serve.request import SamplingParams
     from laplace_jax.serve.routes import Server
 
@@ -203,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     if engine.prefix is not None and engine.prefix.enabled:
         print(
             f"  prefix cache: {a.prefix_cache_bytes:,} B per device = {engine.prefix.capacity:,} states "
-            f"of {engine.state_bytes:,} B; block {engine.prefix.block} tokens (--prefix-cache-bytes 0 turns it off)"
+            f"of {engine.state_bytes:,} B (+ {ENTRY_OVERHEAD_BYTES:,} B host bookkeeping each); "
+            f"block {engine.prefix.block} tokens (--prefix-cache-bytes 0 turns it off)"
         )
     else:
         print("  prefix cache: off" + (" (budget below one state)" if engine.prefix is not None else ""))

@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--prefix-cache-bytes", default="1G", help="serve.py's prefix-cache budget (its default: 1G)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}"
         args = ["--checkpoint", os.path.join(tmp, "m"), "--tokenizer", "byte", "--port", str(port)]
         args += ["--max-num-seqs", "8", "--prefill-chunk", "32", "--max-queue", "256"]
+        args += ["--prefix-cache-bytes", a.prefix_cache_bytes]
         proc = subprocess.Popen([sys.executable, "serve.py", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             deadline = time.time() + 300

@@ -174,7 +174,29 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("BENCHMARKS.md", "soak_cpu_tiny.json", lambda r: f"{r['requests']:,} requests"),
     ("BENCHMARKS.md", "soak_cpu_tiny.json", _rss),
     ("BENCHMARKS.md", "soak_cpu_tiny_6000.json", _rss),
-    ("BENCHMARKS.md", "soak_cpu_tiny_before.json", lambda r: f"against {r['rss_growth_mb']:.1f} MB before the serving"),
+    (
+        "BENCHMARKS.md",
+        "soak_cpu_tiny_before.json",
+        lambda r: f"against {r['rss_growth_mb']:.1f} MB before the\nserving",
+    ),
+    (
+        "BENCHMARKS.md",
+        "soak_cpu_tiny_nocache.json",
+        lambda r: f"`--prefix-cache-bytes 0` {_rss(r)}{r['rss_after_mb']:.1f} MB) |",
+    ),
+    ("BENCHMARKS.md", "soak_cpu_tiny_nocache.json", lambda r: f"the growth is {r['rss_growth_mb']:.1f} MB over"),
+    ("BENCHMARKS.md", "soak_cpu_tiny.json", lambda r: f"| {r['prefix_cache_bytes_after'] / 1e6:.1f} MB |"),
+    ("BENCHMARKS.md", "soak_cpu_tiny_6000.json", lambda r: f"| {r['prefix_cache_bytes_after'] / 1e6:.1f} MB |"),
+    (
+        "BENCHMARKS.md",
+        "soak_cpu_tiny.json",
+        lambda r: f"({r['prefix_cache_bytes_after'] / 1e6:.1f} MB\nheld for {r['rss_growth_mb']:.1f} MB of growth",
+    ),
+    (
+        "BENCHMARKS.md",
+        "soak_cpu_tiny_6000.json",
+        lambda r: f"{r['prefix_cache_bytes_after'] / 1e6:.1f} MB for {r['rss_growth_mb']:.1f} MB over 6,000",
+    ),
     ("BENCHMARKS.md", "soak_cpu_tiny.json", lambda r: f"| {r['outcomes']['valid:ok']:,} / "),
     ("BENCHMARKS.md", "numerics_recall_1x.json", lambda r: f"fp32 {_k(r, 'float32')} tok/s default"),
     ("BENCHMARKS.md", "numerics_recall_1x_exact.json", lambda r: f"{_k(r, 'float32')} with `--exact`"),
@@ -742,6 +764,18 @@ CLAIMS.append(
 )
 
 
+CLAIMS.append(
+    (
+        "BENCHMARKS.md",
+        "decode_cost_prefix.json",
+        lambda r: (
+            f"median ratio {r['configs']['tiny']['ratio_median']:.3f} (tiny)\n  and "
+            f"{r['configs']['small_100m']['ratio_median']:.3f} (~100M)"
+        ),
+    )
+)
+
+
 def _spill(r: dict, pass_: str, kernel: str, arch: str, kind: str = "store") -> int:
     k = next(k for k in r["kernels"] if (k["pass"], k["kernel"], k["arch"]) == (pass_, kernel, arch))
     return k[f"spill_{kind}_bytes"]
@@ -854,10 +888,14 @@ LOCATIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("BENCHMARKS.md", "memory_step_340m.json"): ("### Train-step memory per remat policy",),
     ("BENCHMARKS.md", "memory_step_100m.json"): ("### Train-step memory per remat policy",),
     ("BENCHMARKS.md", "memory_step_340m_standin.json"): ("### Train-step memory per remat policy",),
+    ("BENCHMARKS.md", "decode_cost_prefix.json"): (
+        "## Prefix-state cache (tiny and ~100M models, random weights, CPU)",
+    ),
     ("BENCHMARKS.md", "prefix_cache_cpu.json"): ("## Prefix-state cache (tiny and ~100M models, random weights, CPU)",),
     ("BENCHMARKS.md", "serve_cpu_100m.json"): ("## Serving (~100M model, random weights, CPU)",),
     ("BENCHMARKS.md", "soak_cpu_tiny.json"): ("## Serving soak (tiny model, random weights, CPU)",),
     ("BENCHMARKS.md", "soak_cpu_tiny_6000.json"): ("## Serving soak (tiny model, random weights, CPU)",),
+    ("BENCHMARKS.md", "soak_cpu_tiny_nocache.json"): ("## Serving soak (tiny model, random weights, CPU)",),
     ("BENCHMARKS.md", "soak_cpu_tiny_before.json"): ("## Serving soak (tiny model, random weights, CPU)",),
     ("BENCHMARKS.md", "gpu_static_3b.json"): ("### Pallas kernel: status",),
     ("README.md", "first_run_tiny.json"): ("# laplace-jax",),

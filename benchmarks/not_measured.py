@@ -141,7 +141,12 @@ NOT_MEASURED: dict[tuple[str, str], dict[str, str]] = {
         "50%": "target",
         "2.5 ms": "target",
     },
-    (B, "## Serving soak (tiny model, random weights, CPU)"): {"75%": "input", "20%": "input", "5%": "input"},
+    (B, "## Serving soak (tiny model, random weights, CPU)"): {
+        "75%": "input",
+        "20%": "input",
+        "5%": "input",
+        "1 GiB": "input",
+    },
     (B, "## Recall vs state size (`configs/recall_tiny.py`, CPU)"): {
         "1x": "input",
         "4x": "input",

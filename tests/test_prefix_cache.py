@@ -15,7 +15,7 @@ from laplace_jax import init_params
 from laplace_jax.loading import cast_params
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.metrics import sample_sum
-from laplace_jax.serve.prefix_cache import PrefixCache, block_digests
+from laplace_jax.serve.prefix_cache import ENTRY_OVERHEAD_BYTES, PrefixCache, block_digests
 from laplace_jax.serve.request import Request, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
@@ -186,11 +186,12 @@ def test_three_turn_chat_prefills_only_what_is_new():
 def test_lru_eviction_under_a_small_budget_stays_exact():
     prompts = [ids(130, i) for i in range(4)] + [ids(130, 3)[:128] + ids(5, 50)]
     a, _ = served(engine(0), prompts)
-    small = engine(2 * engine(0).state_bytes)  # two states
+    small = engine(2 * (engine(0).state_bytes + ENTRY_OVERHEAD_BYTES))  # two entries
     b, _ = served(small, prompts)
     assert [x.tokens for x in a] == [y.tokens for y in b]
     assert [x.logprobs for x in a] == [y.logprobs for y in b]
-    assert small.prefix.stats.evictions > 0 and max(small.prefix.held) <= 2 * small.state_bytes
+    assert small.prefix.stats.evictions > 0 and len(small.prefix) == 2
+    assert max(small.prefix.held) == 2 * (small.state_bytes + ENTRY_OVERHEAD_BYTES)
     assert small.prefix.stats.hits == 1  # the last prompt resumes from the newest block
 
 

@@ -43,7 +43,7 @@ from laplace_jax.config import ModelConfig
 from laplace_jax.errors import InvalidParamError, QueueFullError
 from laplace_jax.platform import prng_impl
 from laplace_jax.serve.compiles import CompileCounter
-from laplace_jax.serve.prefix_cache import PrefixCache, block_digests
+from laplace_jax.serve.prefix_cache import ENTRY_OVERHEAD_BYTES, PrefixCache, block_digests
 from laplace_jax.serve.programs import DevicePrograms
 from laplace_jax.serve.request import MAX_SEED, Completion, Request, SamplingParams, prng_key_data
 
@@ -130,7 +130,9 @@ class Engine:
         if prefix_cache_bytes < 0:
             raise ValueError(f"--prefix-cache-bytes must be >= 0; got {prefix_cache_bytes}")
         self.prefix = (
-            PrefixCache(prefix_cache_bytes, self.state_bytes, block, self.n_devices) if prefix_cache_bytes else None
+            PrefixCache(prefix_cache_bytes, self.state_bytes + ENTRY_OVERHEAD_BYTES, block, self.n_devices)
+            if prefix_cache_bytes
+            else None
         )
         if metrics is not None:
             metrics.set_devices(self.n_devices, self.slots_per_device)

@@ -211,6 +211,8 @@ async def run_soak(
         "compiles_after_warmup": sample_sum(after, "laplace:compiles_total", phase="serving")
         - sample_sum(before.text, "laplace:compiles_total", phase="serving"),
         "engine_restarts": sample_sum(after, "laplace:engine_restarts_total"),
+        "prefix_cache_bytes_after": sample_sum(after, "laplace:prefix_cache_bytes"),
+        "prefix_cache_hits": sample_sum(after, "laplace:prefix_cache_hits_total"),
         "health_after": health,
         "rss_before_mb": rss_before,
         "rss_after_mb": rss_after,
