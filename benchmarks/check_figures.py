@@ -776,6 +776,12 @@ CLAIMS.append(
 )
 
 
+CLAIMS += [
+    ("README.md", "tests_cpu.json", lambda r: f"included: {r['passed']} passed in {r['wall_s']:,.0f} s on 2 CPU cores"),
+    *(("README.md", "tests_cpu.json", lambda r, i=i: f" {r['slowest'][i]['seconds']:.1f} s") for i in range(5)),
+]
+
+
 def _spill(r: dict, pass_: str, kernel: str, arch: str, kind: str = "store") -> int:
     k = next(k for k in r["kernels"] if (k["pass"], k["kernel"], k["arch"]) == (pass_, kernel, arch))
     return k[f"spill_{kind}_bytes"]
@@ -847,6 +853,7 @@ CLAIMS += [
 LOCATIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("BENCHMARKS.md", "checkpoint_3b.json"): ("## Checkpoint checksums (one device's share of the 3B state)",),
     ("README.md", "checkpoint_3b.json"): ("## Training",),
+    ("README.md", "tests_cpu.json"): ("## Tests and CI",),
     ("BENCHMARKS.md", "decay_sweep.json"): ("### Gate gradient across decays",),
     ("BENCHMARKS.md", "decode_memory_3b_bf16.json"): (
         "### Decode step memory in the serving configuration (bf16 weights and compute)",

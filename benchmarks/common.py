@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
 import sys
 from collections.abc import Callable
 
@@ -14,7 +15,7 @@ __all__ = ["baseline_chunk_gla", "matmul_gflops", "median_seconds", "write_resul
 
 def write_result(res: dict, module: str, argv: list[str] | None, out: str | None) -> None:
     """Record the command that produced ``res`` in it, and write it as JSON to ``out`` (if given)."""
-    res["command"] = f"python -m benchmarks.{module} " + " ".join(argv if argv is not None else sys.argv[1:])
+    res["command"] = f"python -m benchmarks.{module} " + shlex.join(argv if argv is not None else sys.argv[1:])
     if out:
         with open(out, "w") as f:
             json.dump(res, f, indent=2)
