@@ -7,7 +7,7 @@ Why Triton and not Mosaic GPU: the Mosaic GPU lowering in jax 0.10 has no ``dot_
 ``cumsum`` or transpose rule; matmuls go through ``wgmma`` with M a multiple of 64, so the
 16-token sub-blocks the exact decay factoring needs cannot be expressed. The Triton lowering
 has 2-D dots with M, N, K >= 16 and fp32 (``HIGHEST``) dots. It is deprecated from jax 0.11,
-not removed; ``kernels.md`` has the facts.
+not removed (BENCHMARKS.md, "Pallas kernel: status").
 
 Grid: one program per (batch, head, value tile of ``block_v`` columns). Each program walks the
 sequence chunk by chunk with the fp32 state tile [K, block_v] carried in registers (a recurrence

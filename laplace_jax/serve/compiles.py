@@ -48,7 +48,6 @@ class CompileCounter:
 
     def __init__(self, on_compile: Callable[[str, str, float], None] | None = None):
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.seconds = 0.0
         self.phase = "warmup"
         self.on_compile = on_compile
         self._owner: int | None = None
@@ -68,6 +67,5 @@ class CompileCounter:
             return
         with self._lock:
             self.counts[(self.phase, fun_name)] += 1
-            self.seconds += seconds
         if self.on_compile is not None:
             self.on_compile(self.phase, fun_name, seconds)
