@@ -33,7 +33,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 def source_of(op_name: str) -> str:
     """Which part of a train step a collective came from, by its JAX op_name: "embeddings" (the
     token table's gather and its gradient's reduce-scatter), "weights" (every other model
-    parameter's FSDP gather and gradient reduction, ``layers.common.gathered``), "muon" (the
+    parameter's FSDP gather and gradient reduction, ``parallel.gathered``), "muon" (the
     optimizer's all-to-alls), or "other" (the loss and the gradient norm)."""
     if "/embeddings/" in op_name:
         return "embeddings"

@@ -1,131 +1,26 @@
 """Building blocks shared by the GLA layers: Linear, RMSNorm, gated RMSNorm, short conv, SwiGLU MLP.
 
 Parameters are float32 and carry logical axis names (no mesh names); compute happens in the
-module's ``dtype`` and norms in float32, as in flash-linear-attention.
+module's ``dtype`` and norms in float32, as in flash-linear-attention. How a parameter is
+sharded and gathered for use is ``laplace_jax.parallel``'s.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from laplace_jax.parallel import gathered, local_shape
+
 Array = jax.Array
-
-
-def _manual(mesh: jax.sharding.AbstractMesh) -> bool:
-    """Whether we trace inside a ``shard_map`` over ``mesh`` (the train step's FSDP region)."""
-    return any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
-
-
-def constrain(x: Array, axes: tuple[str | None, ...]) -> Array:
-    """``nn.with_logical_constraint``, except inside a ``shard_map`` (arrays there are per-device)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and _manual(mesh):
-        return x
-    return nn.with_logical_constraint(x, axes)
-
-
-def local_shape(shape: tuple[int, ...], axes: tuple[str | None, ...]) -> tuple[int, ...]:
-    """A parameter's shape as the model sees it: its per-device shard inside the train step's
-    ``shard_map`` (each sharded dim divided by its mesh axes' sizes), ``shape`` everywhere else."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not _manual(mesh):
-        return shape
-    spec = nn.logical_to_mesh_axes(axes) or (None,) * len(shape)
-    sizes = [
-        1 if ax is None else math.prod(mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax)) for ax in spec
-    ]
-    return tuple(d // n for d, n in zip(shape, sizes, strict=True))
 
 
 def sharded_param(module: nn.Module, name: str, init: Any, shape: tuple[int, ...], axes: tuple[str, ...]) -> Array:
     """``module.param`` (float32, logical ``axes``) with its shape per ``local_shape``."""
     return module.param(name, nn.with_logical_partitioning(init, axes), local_shape(shape, axes), jnp.float32)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gathered(w: Array, axes: tuple[str | None, ...], dtype: jnp.dtype) -> Array:
-    """A weight with logical ``axes``, cast to ``dtype`` on its shards and then all-gathered for
-    use, so an FSDP gather moves ``dtype`` bytes (bf16: half of fp32). The gradient goes back to
-    the shards in fp32. Every parameter the model reads goes through here.
-
-    - No logical axis rules or mesh (one device, serving): just the cast.
-    - Inside the train step's ``shard_map`` (``train.step``): an explicit all-gather, and the
-      gradient is reduce-scattered (``psum_scatter``): each device receives only its shard.
-    - Under plain ``jit`` (eval): the same all-gather in its own ``shard_map``; XLA's partitioner
-      reduces the gradient.
-
-    16-bit payloads cross the collectives as uint16: XLA:CPU widens 16-bit float collectives to
-    fp32 (the Muon all-to-alls do the same)."""
-    return _gather(w, axes, dtype)
-
-
-def _mesh_spec(axes: tuple[str | None, ...]):
-    """(abstract mesh, PartitionSpec of ``axes`` under the current rules), or (None, None) with no mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return None, None
-    spec = nn.logical_to_mesh_axes(axes) or (None,) * len(axes)
-    return mesh, jax.sharding.PartitionSpec(*spec)
-
-
-def _size(mesh: jax.sharding.AbstractMesh, ax: str | tuple[str, ...]) -> int:
-    return math.prod(mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax))
-
-
-def _all_gather(x: Array, spec: jax.sharding.PartitionSpec, dtype: jnp.dtype) -> Array:
-    bits16 = jnp.dtype(dtype).itemsize == 2
-    if bits16:
-        x = jax.lax.bitcast_convert_type(x, jnp.uint16)
-    for dim, ax in enumerate(spec):
-        if ax is not None:
-            x = jax.lax.all_gather(x, ax, axis=dim, tiled=True)
-    return jax.lax.bitcast_convert_type(x, dtype) if bits16 else x
-
-
-def _gather(w, axes, dtype):
-    local = w.astype(dtype)
-    mesh, spec = _mesh_spec(axes)
-    if mesh is None:
-        return local
-    if _manual(mesh):
-        return _all_gather(local, spec, dtype)
-    if all(ax is None or _size(mesh, ax) == 1 for ax in spec):
-        return local
-    body = functools.partial(_all_gather, spec=spec, dtype=dtype)
-    P = jax.sharding.PartitionSpec
-    return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=P(), check_vma=False)(local)
-
-
-def _gathered_fwd(w, axes, dtype):
-    return _gather(w, axes, dtype), None
-
-
-def _gathered_bwd(axes, dtype, _, g):
-    g = g.astype(jnp.float32)
-    mesh, spec = _mesh_spec(axes)
-    if mesh is None:
-        return (g,)
-    if not _manual(mesh):
-        # the full gradient of the gathered weight; the partitioner reduces it to the shards
-        return (nn.with_logical_constraint(g, axes),)
-    # g is this device's part (from its rows of the batch): sum it over the sharded axes keeping
-    # this device's shard (reduce-scatter), and over every other axis in full
-    sharded = set()
-    for dim, ax in enumerate(spec):
-        if ax is not None:
-            g = jax.lax.psum_scatter(g, ax, scatter_dimension=dim, tiled=True)
-            sharded.update((ax,) if isinstance(ax, str) else ax)
-    rest = tuple(a for a in mesh.axis_names if a not in sharded and mesh.shape[a] > 1)
-    return (jax.lax.psum(g, rest) if rest else g,)
-
-
-gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 class Embedding(nn.Module):

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from laplace_jax.config import ModelConfig
-from laplace_jax.layers.common import Embedding, Linear, RMSNorm, SwiGLU, constrain
+from laplace_jax.layers.common import Embedding, Linear, RMSNorm, SwiGLU
 from laplace_jax.layers.gla import GatedLinearAttention
+from laplace_jax.parallel import constrain
 
 Array = jax.Array
 Params = dict

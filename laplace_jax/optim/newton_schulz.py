@@ -18,12 +18,15 @@ as it can be. N = 1 is the same code without collectives.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from laplace_jax.parallel import as_wire
 
 Array = jax.Array
 
@@ -140,12 +143,8 @@ def _exchange(buf_NxS: Array, axis_name: str | None, n_ranks: int) -> Array:
     """One all-to-all of the buffer's rows over ``axis_name`` (nothing with one rank), back in fp32."""
     if n_ranks == 1:
         return buf_NxS.astype(jnp.float32)
-    if buf_NxS.dtype.itemsize == 2:
-        # Some backends (XLA:CPU) widen 16-bit float collectives to f32; as uint16 the payload
-        # stays 2 bytes per element everywhere.
-        bits = jax.lax.all_to_all(jax.lax.bitcast_convert_type(buf_NxS, jnp.uint16), axis_name, 0, 0, tiled=True)
-        return jax.lax.bitcast_convert_type(bits, buf_NxS.dtype).astype(jnp.float32)
-    return jax.lax.all_to_all(buf_NxS, axis_name, 0, 0, tiled=True).astype(jnp.float32)
+    exchange = functools.partial(jax.lax.all_to_all, axis_name=axis_name, split_axis=0, concat_axis=0, tiled=True)
+    return as_wire(exchange, buf_NxS).astype(jnp.float32)
 
 
 def _owned_results(

@@ -19,7 +19,7 @@ MAX_FUNCTION_LINES = 80
 
 # (layer name, the modules in it: a dotted prefix below ``laplace_jax`` matches a module or a package)
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("errors", "config", "defaults", "platform", "hlo_stats")),
+    ("base", ("errors", "config", "defaults", "platform", "hlo_stats", "parallel")),
     ("kernels", ("ops",)),
     ("layers", ("layers",)),
     ("models", ("models",)),

@@ -76,7 +76,7 @@ def make_optimizer(opt: Any, steps: int, mesh: jax.sharding.Mesh | None = None, 
 def fsdp_value_and_grad(cfg: ModelConfig, mesh: Mesh, specs: Any) -> Any:
     """(params, batch_BxT1) -> (loss, grads) with the batch split over every device of ``mesh``
     and each device computing on its rows in a ``shard_map``. Parameters enter as their shards
-    (``specs``); the model all-gathers each weight where it is used (``layers.common.gathered``),
+    (``specs``); the model all-gathers each weight where it is used (``parallel.gathered``),
     and the transpose of that gather reduce-scatters its gradient, so gradients leave the region
     as shards, never as full all-reduced arrays."""
     axes = mesh.axis_names
