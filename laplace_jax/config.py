@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from laplace_jax.errors import ConfigError
 
+SUB_BLOCK = 16  # rows of the GLA kernels' exact-decay sub-blocks (the smallest side a Triton dot takes)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTN_IMPLS = ("chunk", "pallas", "recurrent", "auto")
 # What a layer keeps for its backward (the rest is recomputed); see models/gla_lm.py REMAT_POLICIES.
@@ -76,9 +77,10 @@ class ModelConfig:
             raise ConfigError(f"model.dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
         if self.attn_impl not in ATTN_IMPLS:
             raise ConfigError(f"model.attn_impl must be one of {', '.join(ATTN_IMPLS)}; got {self.attn_impl!r}")
-        if self.attn_impl in ("pallas", "auto") and self.chunk_size % 16:
+        if self.attn_impl in ("pallas", "auto") and self.chunk_size % SUB_BLOCK:
             raise ConfigError(
-                f"model.attn_impl={self.attn_impl!r} needs model.chunk_size a multiple of 16; got {self.chunk_size}"
+                f"model.attn_impl={self.attn_impl!r} needs model.chunk_size a multiple of {SUB_BLOCK}; "
+                f"got {self.chunk_size}"
             )
         if self.n_heads % self.kv_heads:
             raise ConfigError(

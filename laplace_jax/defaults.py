@@ -15,6 +15,7 @@ import dataclasses
 from ml_collections import config_dict
 
 from laplace_jax.config import ModelConfig
+from laplace_jax.platform import PEAK_BF16_TFLOPS
 
 # Logical axis -> mesh axis. Flax assigns each mesh axis once per array, first rule first, so
 # every hidden matrix has exactly one of its two axes on "fsdp"; Muon reads which from the specs.
@@ -105,7 +106,7 @@ def trn2_48xlarge() -> config_dict.ConfigDict:
     return config_dict.ConfigDict(
         dict(
             name="trn2.48xlarge (LNC=2)",
-            peak_tflops_per_device=667.0 / 4,
+            peak_tflops_per_device=PEAK_BF16_TFLOPS["Trainium2"][0],
             interconnect_gbps_per_device=1280.0 / 4,
             devices_per_instance=64,
             usd_per_instance_hour=0.0,  # set to your price to get a dollar figure; 0 = instance-hours only

@@ -57,9 +57,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from laplace_jax.config import SUB_BLOCK
+
 Array = jax.Array
 
-SUB_CHUNK = 16
+SUB_CHUNK = SUB_BLOCK
 f32 = jnp.float32
 
 

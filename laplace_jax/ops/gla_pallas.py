@@ -49,9 +49,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
+from laplace_jax.config import SUB_BLOCK
+
 Array = jax.Array
 
-SUB = 16  # sub-block rows: the smallest side a Triton dot accepts
+SUB = SUB_BLOCK  # sub-block rows: the smallest side a Triton dot accepts
 f32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
 
