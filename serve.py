@@ -201,14 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     buckets = engine.buckets or "exact (compiled on demand)"
     print(f"  decode buckets (per device) {buckets}; prefill chunk {engine.prefill_chunk}")
-    if engine.prefix is not None and engine.prefix.enabled:
+    if engine.prefix is not None:
         print(
             f"  prefix cache: {a.prefix_cache_bytes:,} B per device = {engine.prefix.capacity:,} states "
             f"of {engine.state_bytes:,} B (+ {ENTRY_OVERHEAD_BYTES:,} B host bookkeeping each); "
             f"block {engine.prefix.block} tokens (--prefix-cache-bytes 0 turns it off)"
         )
     else:
-        print("  prefix cache: off" + (" (budget below one state)" if engine.prefix is not None else ""))
+        print("  prefix cache: off" + (" (budget below one state)" if a.prefix_cache_bytes else ""))
     guarded = "/v1/* and /metrics" if a.protect_metrics else "/v1/*"
     print(f"  auth: {f'API key required on {guarded}' if a.api_key else 'off (no --api-key)'}")
     limits = {"header_timeout": a.header_timeout, "keep_alive": a.keep_alive, "max_connections": a.max_connections}

@@ -38,6 +38,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from laplace_jax.serve.metrics import sample_sum
 from laplace_jax.serve.soak import run_soak
 
 
@@ -112,8 +113,6 @@ def _body(args: argparse.Namespace, prompt, seed: int) -> dict:
 
 async def _metric(client: httpx.AsyncClient, base_url: str, name: str) -> float | None:
     """A counter from the server's /metrics (None if it has none: another server)."""
-    from laplace_jax.serve.metrics import sample_sum
-
     try:
         r = await client.get(base_url.rstrip("/") + "/metrics")
         return sample_sum(r.text, name) if r.status_code == 200 and name in r.text else None

@@ -129,9 +129,11 @@ class Engine:
             raise ValueError(f"--prefix-block must be a multiple of {unit} (128 and the prefill chunk); got {block}")
         if prefix_cache_bytes < 0:
             raise ValueError(f"--prefix-cache-bytes must be >= 0; got {prefix_cache_bytes}")
+        entry_bytes = self.state_bytes + ENTRY_OVERHEAD_BYTES
+        # off (None) when the budget holds no entry: no lookups, no hashing per request
         self.prefix = (
-            PrefixCache(prefix_cache_bytes, self.state_bytes + ENTRY_OVERHEAD_BYTES, block, self.n_devices)
-            if prefix_cache_bytes
+            PrefixCache(prefix_cache_bytes, entry_bytes, block, self.n_devices)
+            if prefix_cache_bytes >= entry_bytes
             else None
         )
         if metrics is not None:
