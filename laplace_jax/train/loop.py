@@ -116,20 +116,21 @@ def run(
     pending, last_eval = None, None
     try:
         for step in range(start, end):
+            steps.start(step + 1)
             state, metrics = compiled(state, trainer.batch(next(data_iter)))
+            steps.dispatched(step + 1, metrics)
             if pending is not None:  # the previous step's metrics: no host stall on this one
                 steps.record(*pending)
             pending = (step + 1, metrics)
-            steps.advance()
             evaluating = t.eval_every and (step + 1) % t.eval_every == 0
             if evaluating or ckpt.should_save(step + 1):
-                jax.block_until_ready(metrics)  # the step's own compute is step time; what follows is not
-            with steps.paused():  # checkpoint writes and evaluation are not step time
-                ckpt.save(step + 1, state, data_iter, config_json)
-                if evaluating:
-                    last_eval = (step + 1, trainer.eval_loss(state["params"], data.val))
-                    writer.write(step + 1, {"eval_loss": last_eval[1]})
-                    steps.note(f"step {step + 1}: eval loss {last_eval[1]:.4f}")
+                steps.record(*pending)  # waits for it: what follows is between steps
+                pending = None
+            ckpt.save(step + 1, state, data_iter, config_json)
+            if evaluating:
+                last_eval = (step + 1, trainer.eval_loss(state["params"], data.val))
+                writer.write(step + 1, {"eval_loss": last_eval[1]})
+                steps.note(f"step {step + 1}: eval loss {last_eval[1]:.4f}")
         if pending is not None:
             steps.record(*pending)
     finally:

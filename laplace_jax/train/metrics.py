@@ -3,11 +3,9 @@ per-step record (loss, norms, lr, tokens/s, MFU) behind the progress bar."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -96,13 +94,29 @@ class StepLog:
         self.tokens_per_step, self.flops_per_step, self.peak_flops = tokens_per_step, flops_per_step, peak_flops
         self.history: list[dict[str, Any]] = []
         self.bar = tqdm(total=end, initial=start, desc="train", unit="step", disable=not show, mininterval=1.0)
-        self._last = time.perf_counter()
+        self._started: dict[int, float] = {}  # step -> when its batch was requested
+        self._done: dict[int, float] = {}  # step -> when its result was seen ready
+        self._last_done = 0.0
+
+    def start(self, step: int) -> None:
+        """Step ``step``'s work (its batch, then the dispatch) begins now."""
+        self._started[step] = time.perf_counter()
+
+    def dispatched(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        """Step ``step`` was handed to the devices. A backend that ran it inside the call (CPU
+        often does) has it done already: its time ends here, not when it is next looked at."""
+        if all(v.is_ready() for v in metrics.values()):
+            self._done[step] = time.perf_counter()
+        self.bar.update(1)
 
     def record(self, step: int, metrics: dict[str, jax.Array]) -> None:
-        """Log step ``step``'s metrics (waits for that step only)."""
+        """Log step ``step``'s metrics (waits for that step only). Its time runs from when it could
+        start (its batch requested, and the step before it done) to when it was done, so time spent
+        between steps (evaluation, checkpoint writes) is nobody's step time."""
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        seconds, self._last = now - self._last, now
+        done = self._done.pop(step, time.perf_counter())
+        seconds = done - max(self._started.pop(step), self._last_done)
+        self._last_done = done
         tps = self.tokens_per_step / seconds if seconds > 0 else 0.0
         rec = {
             "loss": m["loss"],
@@ -124,23 +138,10 @@ class StepLog:
                 f"state is checkpointed. Lower opt.lr or opt.clip_norm, or check the data; then resume"
             )
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Time spent inside (evaluation, checkpoint writes) is left out of the step rates."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._last += time.perf_counter() - t0
-
     def note(self, text: str) -> None:
         """A line on the console above the progress bar (process 0)."""
         if not self.bar.disable:
             self.bar.write(text)
-
-    def advance(self) -> None:
-        """One more step dispatched (its metrics come a step later)."""
-        self.bar.update(1)
 
     def close(self) -> None:
         self.bar.close()
