@@ -33,6 +33,7 @@ def byte_size(text: str) -> int:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     from laplace_jax.cli import HelpFormatter
     from laplace_jax.platform import PRNG_IMPLS  # importing jax reads no XLA flags; backends start later
+    from laplace_jax.serve import settings
 
     ap = argparse.ArgumentParser(
         prog="python serve.py",
@@ -45,7 +46,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-name", default=None, help="model id clients send (default: directory name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     ap.add_argument("--port", type=int, default=8000, help="port to listen on")
-    ap.add_argument("--max-num-seqs", type=int, default=8, help="decode slots per device (sequences decoded together)")
+    ap.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=settings.MAX_NUM_SEQS,
+        help="decode slots per device (sequences decoded together)",
+    )
     ap.add_argument(
         "--devices",
         type=int,
@@ -58,14 +64,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default="pow2",
         help="'pow2' (1, 2, 4, ... and max-num-seqs), 'exact' (compile each width on demand), or '1,4,8'",
     )
-    ap.add_argument("--prefill-chunk", type=int, default=64, help="tokens per prefill call (one executable)")
-    ap.add_argument("--steps-per-call", type=int, default=4, help="decode tokens per device dispatch")
+    ap.add_argument(
+        "--prefill-chunk", type=int, default=settings.PREFILL_CHUNK, help="tokens per prefill call (one executable)"
+    )
+    ap.add_argument(
+        "--steps-per-call", type=int, default=settings.STEPS_PER_CALL, help="decode tokens per device dispatch"
+    )
     ap.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: model's)")
-    ap.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    ap.add_argument("--max-queue", type=int, default=settings.MAX_QUEUE, help="waiting requests before 429")
     ap.add_argument(
         "--prefix-cache-bytes",
         type=byte_size,
-        default="1G",
+        default=settings.PREFIX_CACHE_BYTES,
         help="prefix-state cache budget per device (bytes; K/M/G suffixes are powers of 1024; 0 turns it off): "
         "states after shared prompt blocks and after finished requests, so a shared prefix or a chat's next "
         "turn prefills only what is new. One entry is one sequence's state (29.5 MB for the 3B model)",
@@ -107,18 +117,33 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--drain-timeout",
         type=float,
-        default=30.0,
+        default=settings.DRAIN_TIMEOUT_S,
         help="SIGTERM bound in seconds: new requests are refused at once, running ones finish or end with "
         "finish_reason 'length' before this, then the process exits",
     )
-    ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body cap (413 above it)")
-    ap.add_argument("--body-timeout", type=float, default=30.0, help="seconds for a request body to arrive (408)")
     ap.add_argument(
-        "--header-timeout", type=float, default=10.0, help="seconds for a connection to send a request head"
+        "--max-body-bytes", type=int, default=settings.MAX_BODY_BYTES, help="request body cap (413 above it)"
     )
-    ap.add_argument("--keep-alive", type=float, default=5.0, help="seconds an idle kept-alive connection stays open")
     ap.add_argument(
-        "--max-connections", type=int, default=1024, help="open connections; more are closed as they arrive"
+        "--body-timeout", type=float, default=settings.BODY_TIMEOUT_S, help="seconds for a request body to arrive (408)"
+    )
+    ap.add_argument(
+        "--header-timeout",
+        type=float,
+        default=settings.HEADER_TIMEOUT_S,
+        help="seconds for a connection to send a request head",
+    )
+    ap.add_argument(
+        "--keep-alive",
+        type=float,
+        default=settings.KEEP_ALIVE_S,
+        help="seconds an idle kept-alive connection stays open",
+    )
+    ap.add_argument(
+        "--max-connections",
+        type=int,
+        default=settings.MAX_CONNECTIONS,
+        help="open connections; more are closed as they arrive",
     )
     a = ap.parse_args(argv)
     a.api_key = a.api_key or os.environ.get("LAPLACE_API_KEY") or None

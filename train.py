@@ -31,9 +31,11 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     del argv
-    cfg = FLAGS.config
+    from laplace_jax.config import RunConfig
+
+    cfg = RunConfig.from_mapping(FLAGS.config)  # every block checked: a typo fails before anything compiles
     if FLAGS.plan:
-        n = max(1, int(cfg.mesh.data)) * max(1, int(cfg.mesh.fsdp))
+        n = max(1, cfg.mesh.data) * max(1, cfg.mesh.fsdp)
         os.environ["JAX_PLATFORMS"] = "cpu"
         import jax
 

@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 
 from benchmarks.common import write_result
 from laplace_jax.checkpoint import damage, seal
-from laplace_jax.config import load_config_file, model_config
+from laplace_jax.config import load_run_config
 from laplace_jax.models.gla_lm import abstract_params
 
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    leaves = jax.tree.leaves(abstract_params(model_config(load_config_file(a.config))))
+    leaves = jax.tree.leaves(abstract_params(load_run_config(a.config).model))
     rng = np.random.default_rng(0)
     # one device's share of every parameter, and of two optimizer buffers like it
     state = {

@@ -23,12 +23,12 @@ from benchmarks.common import write_result
 
 WORKER = """
 import json, sys, jax
-from laplace_jax.config import load_config_file, model_config
+from laplace_jax.config import load_run_config
 from laplace_jax.models.gla_lm import init_params
 from laplace_jax.platform import median_seconds
 from laplace_jax.serve.engine import Engine
 name, W, steps, calls = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-cfg = model_config(load_config_file(f"configs/{name}.py"))
+cfg = load_run_config(f"configs/{name}.py").model
 eng = Engine(cfg, init_params(cfg, jax.random.key(0)), eos_id=0, max_num_seqs=W, buckets=[W], steps_per_call=steps)
 eng.warmup()
 print("ready", flush=True)

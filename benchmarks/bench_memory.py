@@ -95,9 +95,10 @@ def _inputs_only_standin():
 
 
 def step_report(config: str, batch: int, seq: int, dtype: str, remat: str, time_batch: int, standin: bool) -> dict:
-    from laplace_jax.config import load_config_file
+    from laplace_jax.config import RunConfig, load_config_file
     from laplace_jax.layers import gla as gla_layer
-    from laplace_jax.train.trainer import Trainer, memory_report
+    from laplace_jax.train.accounting import memory_report
+    from laplace_jax.train.trainer import Trainer
 
     if standin:
         gla_layer.chunk_gla = _inputs_only_standin()
@@ -107,7 +108,7 @@ def step_report(config: str, batch: int, seq: int, dtype: str, remat: str, time_
     cfg.data.update(global_batch=batch, seq_len=seq)
     cfg.train.update(grad_accum=1)
     cfg.mesh.update(data=1, fsdp=1)
-    trainer = Trainer(cfg, devices=jax.devices()[:1])
+    trainer = Trainer(RunConfig.from_mapping(cfg), devices=jax.devices()[:1])
     compiled = trainer.compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -122,7 +123,7 @@ def step_report(config: str, batch: int, seq: int, dtype: str, remat: str, time_
         from laplace_jax.platform import median_seconds
 
         cfg.data.update(global_batch=time_batch)
-        small = Trainer(cfg, devices=jax.devices()[:1])
+        small = Trainer(RunConfig.from_mapping(cfg), devices=jax.devices()[:1])
         step = small.step_fn.lower(small.abstract_state, small.abstract_batch).compile()
         state = small.init(0)
         tokens = jax.random.randint(jax.random.key(0), small.abstract_batch.shape, 0, trainer.model_cfg.vocab_size)
@@ -142,10 +143,10 @@ def decode_report(
 ) -> dict:
     import dataclasses
 
-    from laplace_jax.config import load_config_file, model_config
+    from laplace_jax.config import load_run_config
     from laplace_jax.models.gla_lm import abstract_params, decode_step, init_state, pack_weights
 
-    cfg = model_config(load_config_file(config))
+    cfg = load_run_config(config).model
     cfg = dataclasses.replace(cfg, dtype=compute_dtype or cfg.dtype, scan_layers=scan_layers)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(weights_dtype)), abstract_params(cfg))
     params = jax.eval_shape(pack_weights, params)  # as serving places them
@@ -179,12 +180,12 @@ def decode_report(
 def sampler_report(config: str, width: int, prng: str) -> dict:
     """The serving sampler at W rows of the config's vocabulary (compiled cost analysis) against
     the bf16 decode step's minimum traffic (weights read once, state read and written once)."""
-    from laplace_jax.config import load_config_file, model_config
+    from laplace_jax.config import load_run_config
     from laplace_jax.models.gla_lm import abstract_params, init_state
     from laplace_jax.platform import key_words
     from laplace_jax.sampling import sample_rows
 
-    cfg = model_config(load_config_file(config))
+    cfg = load_run_config(config).model
     V = cfg.vocab_size
     rows = lambda dt: jax.ShapeDtypeStruct((width,), dt)  # noqa: E731
     key_data = jax.ShapeDtypeStruct((width, key_words(prng)), jnp.uint32)

@@ -35,7 +35,7 @@ import portpicker
 
 from benchmarks.common import write_result
 from laplace_jax.checkpoint import save_model
-from laplace_jax.config import load_config_file, model_config
+from laplace_jax.config import load_run_config
 from laplace_jax.data.tokenizer import ByteTokenizer
 from laplace_jax.models.gla_lm import init_params
 from laplace_jax.serve import bench
@@ -164,7 +164,7 @@ def decode_step_vs_context(cfg, params, width=4, repeats=30) -> dict:
         for _ in range(width):
             ids = np.random.default_rng(n).integers(1, 256, n).tolist()
             eng.submit(Request(ids, SamplingParams(max_tokens=10_000, ignore_eos=True), lambda *_: None))
-        eng._admit()  # prefill every prompt into the slots (host thread, no server)
+        eng.scheduler.admit()  # prefill every prompt into the slots (host thread, no server)
 
         def call(eng=eng, width=width):
             return eng.programs.decode(width)[0]
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     DEVICES = a.devices
     res = {"device": jax.devices()[0].device_kind, "devices": DEVICES, "configs": {}}
     for name in a.configs:
-        cfg = model_config(load_config_file(f"configs/{name}.py"))
+        cfg = load_run_config(f"configs/{name}.py").model
         params = init_params(cfg, jax.random.key(0))
         print(f"{name}:")
         r = res["configs"][name] = {}

@@ -5,7 +5,7 @@
         --remat full none --dtype bfloat16 --out results/train_h200.json          # on a GPU
 
 MFU = flops_per_token x tokens/s / (devices x peak). flops_per_token is 6 x matmul parameters +
-3 x the GLA chunk-form FLOPs (``train.step.flops_per_token``; recomputation is not counted). The
+3 x the GLA chunk-form FLOPs (``train.accounting.flops_per_token``; recomputation is not counted). The
 peak is ``platform.peak_flops_per_device``: the dense bf16 table in ``laplace_jax/platform.py``
 on accelerators, and on CPU an fp32 matmul measured in the same run. One device, synthetic
 batches, median step time over ``--steps`` steps after two warm-up steps; memory is XLA's
@@ -21,13 +21,13 @@ import jax
 import numpy as np
 
 from benchmarks.common import write_result
-from laplace_jax.config import load_config_file
+from laplace_jax.config import RunConfig, load_config_file
 from laplace_jax.platform import median_seconds, peak_flops_per_device
-from laplace_jax.train.step import flops_per_token
-from laplace_jax.train.trainer import Trainer, memory_report
+from laplace_jax.train.accounting import flops_per_token, memory_report
+from laplace_jax.train.trainer import Trainer
 
 
-def bench(cfg, steps: int, peak: float) -> dict:
+def bench(cfg: RunConfig, steps: int, peak: float) -> dict:
     trainer = Trainer(cfg, jax.devices()[:1])
     step = trainer.compile()
     mem = memory_report(step)
@@ -45,8 +45,8 @@ def bench(cfg, steps: int, peak: float) -> dict:
     fpt = flops_per_token(trainer.model_cfg, trainer.n_params)
     return {
         "params": trainer.n_params,
-        "batch": int(cfg.data.global_batch),
-        "seq_len": int(cfg.data.seq_len),
+        "batch": cfg.data.global_batch,
+        "seq_len": cfg.data.seq_len,
         "dtype": cfg.model.dtype,
         "remat": cfg.model.remat,
         "tokens_per_step": trainer.tokens_per_step,
@@ -58,7 +58,7 @@ def bench(cfg, steps: int, peak: float) -> dict:
     }
 
 
-def _config(name: str, a: argparse.Namespace, remat: str | None):
+def _config(name: str, a: argparse.Namespace, remat: str | None) -> RunConfig:
     cfg = load_config_file(name if name.endswith(".py") else os.path.join("configs", f"{name}.py"))
     for key, value in (("global_batch", a.global_batch), ("seq_len", a.seq_len)):
         if value:
@@ -70,7 +70,7 @@ def _config(name: str, a: argparse.Namespace, remat: str | None):
         cfg.model.dtype = a.dtype
     if remat:
         cfg.model.remat = remat
-    return cfg
+    return RunConfig.from_mapping(cfg)
 
 
 def main(argv: list[str] | None = None) -> None:

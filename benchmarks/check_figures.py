@@ -55,7 +55,7 @@ def _grads(r: dict, kernel: str) -> dict:
 
 def _grad_range(r: dict, kernel: str, name: str) -> str:
     g = _grads(r, kernel)
-    return f"{_sci(g['vs_torch_float64_min'])} to {_sci(g['vs_torch_float64_max'])} ({name})"
+    return f"{_sci(g['vs_float64_min'])} to {_sci(g['vs_float64_max'])} ({name})"
 
 
 def _static(r: dict, pass_: str, kernel: str, arch: str) -> str:

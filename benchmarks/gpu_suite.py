@@ -104,10 +104,10 @@ def fla_kernel(shape) -> list[dict]:
 
 def train_step(dry: bool) -> list[dict]:
     from benchmarks.bench_train import bench
-    from laplace_jax.config import load_config_file
+    from laplace_jax.config import load_run_config
     from laplace_jax.platform import peak_flops_per_device
 
-    cfg = load_config_file("configs/tiny.py" if dry else "configs/gla_340m.py")
+    cfg = load_run_config("configs/tiny.py" if dry else "configs/gla_340m.py")
     peak, _ = peak_flops_per_device()
     r = bench(cfg, 2 if dry else 5, peak)
     keep = ("step_s", "tokens_per_s", "mfu", "batch", "seq_len", "remat")
@@ -115,12 +115,12 @@ def train_step(dry: bool) -> list[dict]:
 
 
 def decode(dry: bool) -> list[dict]:
-    from laplace_jax.config import load_config_file, model_config
+    from laplace_jax.config import load_run_config
     from laplace_jax.loading import cast_params
     from laplace_jax.models.gla_lm import init_params
     from laplace_jax.serve.engine import Engine
 
-    cfg = model_config(load_config_file("configs/tiny.py" if dry else "configs/3b.py"))
+    cfg = load_run_config("configs/tiny.py" if dry else "configs/3b.py").model
     params = cast_params(init_params(cfg, jax.random.key(0)), "bfloat16")
     out = []
     for W in DECODE_WIDTHS["dry" if dry else "full"]:

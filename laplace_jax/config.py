@@ -1,6 +1,11 @@
-"""Model configuration: a frozen dataclass built from the ``model`` block of an ml_collections config.
+"""The typed config: one frozen dataclass per block of an ml_collections config file.
 
-Field names follow this package; ``laplace_jax.convert`` maps them to and from fla's GLAConfig.
+``RunConfig.from_mapping(config)`` turns the ConfigDict that ``configs/*.py`` (and absl's
+``--config.x.y=`` overrides) produce into ``RunConfig(model, data, opt, train, mesh, plan)``,
+checking every key, type and allowed value first, so a typo in any block fails before anything
+compiles, with the field's name and what it accepts. ``defaults.base_config`` builds the
+ConfigDict from these dataclasses' defaults. Model field names follow this package;
+``laplace_jax.convert`` maps them to and from fla's GLAConfig.
 """
 
 from __future__ import annotations
@@ -10,22 +15,128 @@ import difflib
 import importlib.util
 import math
 import os
+import types
+import typing
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from laplace_jax.errors import ConfigError
+from laplace_jax.platform import PEAK_BF16_TFLOPS, PRNG_IMPLS
 
 SUB_BLOCK = 16  # rows of the GLA kernels' exact-decay sub-blocks (the smallest side a Triton dot takes)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTN_IMPLS = ("chunk", "pallas", "recurrent", "auto")
-# What a layer keeps for its backward (the rest is recomputed); see models/gla_lm.py REMAT_POLICIES.
-REMAT = ("none", "full", "save_dots", "save_gla")
+# model.remat -> the jax.checkpoint policy of each layer: what it keeps for its backward (the rest
+# is recomputed); "none" keeps everything (no remat).
+REMAT_POLICIES = {
+    "full": None,  # only the layer's input; the whole layer is recomputed
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # projection / MLP matmul outputs
+    "save_gla": jax.checkpoint_policies.save_only_these_names("gla_inputs", "gla_states"),  # skips the GLA re-run
+}
+REMAT = ("none", *REMAT_POLICIES)
+COMM_DTYPES = ("float32", "bfloat16")  # the Muon all-to-all payload
+ADJUST_LR = ("match_rms_adamw", "original")  # Muon's per-matrix learning-rate scale
+
+
+def choice(default: str, choices: tuple[str, ...]) -> Any:
+    """A string field that only takes ``choices``."""
+    return dataclasses.field(default=default, metadata={"choices": choices})
+
+
+def _describe(hint: Any) -> str:
+    args = typing.get_args(hint)
+    if args and type(None) in args:
+        return " or ".join("None" if a is type(None) else a.__name__ for a in args)
+    return getattr(hint, "__name__", str(hint))
+
+
+def _coerce(where: str, value: Any, hint: Any) -> Any:
+    """``value`` as type ``hint`` (ints are floats too; a list is a tuple), or a ConfigError."""
+    args, declared = typing.get_args(hint), hint
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }.get(hint)
+    if ok is None and typing.get_origin(hint) is tuple:
+        ok = isinstance(value, (list, tuple))
+        value = tuple(tuple(v) if isinstance(v, list) else v for v in value) if ok else value
+    if not ok:
+        raise ConfigError(f"{where} must be {_describe(declared)}; got {value!r} ({type(value).__name__})")
+    return float(value) if hint is float else value
+
+
+def validate_fields(obj: Any, block: str) -> None:
+    """Check (and coerce) every field of the frozen dataclass ``obj`` against its type hint and
+    its allowed ``choices``; errors name the field as ``block.field``."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        where, value = f"{block}.{f.name}", getattr(obj, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            if not isinstance(value, hints[f.name]):
+                raise ConfigError(f"{where} must be a block of {', '.join(field_names(hints[f.name]))}")
+            continue
+        value = _coerce(where, value, hints[f.name])
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{where} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+        object.__setattr__(obj, f.name, value)
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _positive(obj: Any, block: str, names: tuple[str, ...], minimum: float = 1) -> None:
+    for name in names:
+        if getattr(obj, name) < minimum:
+            raise ConfigError(f"{block}.{name} must be >= {minimum}; got {getattr(obj, name)}")
+
+
+class Block:
+    """Base of every config block: a frozen dataclass whose fields are checked against their type
+    hints and ``choices`` on construction, then by ``check`` (ranges, relations)."""
+
+    BLOCK: typing.ClassVar[str] = ""  # the block's dotted name in the config file ("model", "data.mqar")
+
+    def __post_init__(self) -> None:
+        validate_fields(self, self.BLOCK)
+        self.check()
+
+    def check(self) -> None:
+        """Ranges and relations between fields (a ConfigError names the field)."""
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping[str, Any]) -> Any:
+        """Built from a dict / ConfigDict block; an unknown key raises a ConfigError that suggests
+        the nearest field and lists them all; nested blocks are built likewise."""
+        values = dict(cfg.items())
+        fields, hints = field_names(cls), typing.get_type_hints(cls)
+        for key, value in values.items():
+            if key not in fields:
+                near = difflib.get_close_matches(key, fields, n=1)
+                extra = f" Did you mean {cls.BLOCK}.{near[0]}?" if near else ""
+                raise ConfigError(
+                    f"unknown config key {cls.BLOCK}.{key}.{extra} Valid keys: {', '.join(sorted(fields))}"
+                )
+            if dataclasses.is_dataclass(hints[key]) and hasattr(value, "items"):
+                values[key] = hints[key].from_mapping(value)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Block):
     """Shape and numerics of a GLA language model (fla ``GLAForCausalLM`` semantics).
 
     d_model: hidden size; expand_k / expand_v: key / value width as a fraction of d_model;
@@ -58,25 +169,21 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     chunk_size: int = 128
-    attn_impl: str = "chunk"
-    dtype: str = "float32"
-    remat: str = "none"
+    attn_impl: str = choice("chunk", ATTN_IMPLS)
+    dtype: str = choice("float32", tuple(DTYPES))
+    remat: str = choice("none", REMAT)
     scan_layers: bool = True
     max_seq_len: int = 2048
+    BLOCK: typing.ClassVar[str] = "model"
 
     def __post_init__(self) -> None:
         if isinstance(self.remat, bool):
             object.__setattr__(self, "remat", "full" if self.remat else "none")
-        if self.remat not in REMAT:
-            raise ConfigError(f"model.remat must be one of {', '.join(REMAT)}; got {self.remat!r}")
+        super().__post_init__()
+
+    def check(self) -> None:
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "gate_low_rank_dim", "chunk_size")
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name} must be positive; got {getattr(self, name)}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"model.dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
-        if self.attn_impl not in ATTN_IMPLS:
-            raise ConfigError(f"model.attn_impl must be one of {', '.join(ATTN_IMPLS)}; got {self.attn_impl!r}")
+        _positive(self, "model", positive)
         if self.attn_impl in ("pallas", "auto") and self.chunk_size % SUB_BLOCK:
             raise ConfigError(
                 f"model.attn_impl={self.attn_impl!r} needs model.chunk_size a multiple of {SUB_BLOCK}; "
@@ -127,20 +234,189 @@ class ModelConfig:
     def compute_dtype(self) -> jnp.dtype:
         return DTYPES[self.dtype]
 
-    @classmethod
-    def from_mapping(cls, cfg: Mapping[str, Any], where: str = "model") -> ModelConfig:
-        """Build from a dict / ConfigDict; unknown keys raise ConfigError with a suggestion."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        values = dict(cfg.items())
-        for key in values:
-            if key not in fields:
-                hint = difflib.get_close_matches(key, fields, n=1)
-                extra = f" Did you mean {where}.{hint[0]}?" if hint else ""
-                raise ConfigError(f"Unknown config key {where}.{key}.{extra} Valid keys: {', '.join(sorted(fields))}")
-        return cls(**values)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+@dataclasses.dataclass(frozen=True)
+class MqarConfig(Block):
+    """The synthetic recall mixture: key-value pairs per training window, uniform in [min_pairs, max_pairs]."""
+
+    min_pairs: int = 4
+    max_pairs: int = 24
+    BLOCK: typing.ClassVar[str] = "data.mqar"
+
+    def check(self) -> None:
+        if not 1 <= self.min_pairs <= self.max_pairs:
+            raise ConfigError(f"data.mqar needs 1 <= min_pairs <= max_pairs; got {self.min_pairs}, {self.max_pairs}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(Block):
+    """Where the tokens come from. source: "text" (``path``, or the embedded stdlib corpus when
+    ``path`` is "") or "mqar" (the synthetic recall mixture); path: a directory written by
+    ``laplace_jax.data.prepare``; tokenizer: for the embedded corpus and mqar ("byte" or a
+    Hugging Face name; prepared data records its own); seq_len: tokens per training window;
+    global_batch: windows per step, all devices; eval_batches: batches per evaluation;
+    embedded_max_chars: how much of the embedded corpus to tokenize."""
+
+    source: str = choice("text", ("text", "mqar"))
+    path: str = ""
+    tokenizer: str = "byte"
+    seq_len: int = 256
+    global_batch: int = 16
+    seed: int = 0
+    eval_batches: int = 4
+    embedded_max_chars: int = 3_000_000
+    mqar: MqarConfig = dataclasses.field(default_factory=MqarConfig)
+    BLOCK: typing.ClassVar[str] = "data"
+
+    def check(self) -> None:
+        _positive(self, "data", ("seq_len", "global_batch", "eval_batches", "embedded_max_chars"))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptConfig(Block):
+    """Optimizer and learning-rate schedule. optimizer: "muon" (Muon on hidden matrices, AdamW on
+    the rest) or "adamw"; schedule: "cosine" (linear warmup, cosine to min_lr_ratio * lr) or "wsd"
+    (warmup, stable, then a linear decay over the last decay_fraction of the steps); beta, nesterov,
+    adjust_lr: Muon's momentum and per-matrix scale; b1, b2, eps: AdamW's; clip_norm: global-norm
+    clipping; comm_dtype: the Muon all-to-all payload ("bfloat16" halves its bytes)."""
+
+    optimizer: str = choice("muon", ("muon", "adamw"))
+    lr: float = 3e-3
+    schedule: str = choice("cosine", ("cosine", "wsd"))
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2
+    weight_decay: float = 0.1
+    beta: float = 0.95
+    nesterov: bool = True
+    adjust_lr: str = choice("match_rms_adamw", ADJUST_LR)
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    comm_dtype: str = choice("float32", COMM_DTYPES)
+    BLOCK: typing.ClassVar[str] = "opt"
+
+    def check(self) -> None:
+        _positive(self, "opt", ("warmup_steps", "weight_decay"), minimum=0)
+        for name in ("lr", "eps", "clip_norm"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"opt.{name} must be > 0; got {getattr(self, name)}")
+        for name in ("min_lr_ratio", "decay_fraction", "beta", "b1", "b2"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"opt.{name} must be in [0, 1]; got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(Block):
+    """The training loop. grad_accum: micro-batches per step; log_every / eval_every / ckpt_every:
+    intervals in steps (eval_every 0: only at the end); keep_checkpoints: how many to keep;
+    max_nonfinite: stop after this many non-finite steps in a row; peak_tflops: per-device peak
+    for MFU (0: the platform table; CPU: a measured matmul); device_memory_gib: per-device memory
+    for the fit check (0: ask the device); prng_impl: "auto" is rbg on Neuron, threefry2x32 elsewhere."""
+
+    steps: int = 300
+    grad_accum: int = 1
+    log_every: int = 10
+    eval_every: int = 100
+    ckpt_every: int = 100
+    keep_checkpoints: int = 3
+    max_nonfinite: int = 5
+    peak_tflops: float = 0.0
+    device_memory_gib: float = 0.0
+    prng_impl: str = choice("auto", PRNG_IMPLS)
+    BLOCK: typing.ClassVar[str] = "train"
+
+    def check(self) -> None:
+        at_least_one = ("steps", "grad_accum", "log_every", "ckpt_every", "keep_checkpoints", "max_nonfinite")
+        _positive(self, "train", at_least_one)
+        _positive(self, "train", ("eval_every", "peak_tflops", "device_memory_gib"), minimum=0)
+
+
+# Logical axis -> mesh axis. Flax assigns each mesh axis once per array, first rule first, so
+# every hidden matrix has exactly one of its two axes on "fsdp"; Muon reads which from the specs.
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("heads", "fsdp"),
+    ("mlp", "fsdp"),
+    ("vocab", "fsdp"),
+    ("layers", None),
+    ("length", None),
+    ("act_embed", None),
+    ("act_vocab", None),
+    ("norm", None),
+    ("rank", None),
+    ("conv", None),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(Block):
+    """The (data, fsdp) device mesh: axis sizes (-1: all remaining devices) and the logical axis
+    rules that bind the model's axis names to it (model code names no mesh axis)."""
+
+    data: int = 1
+    fsdp: int = -1
+    rules: tuple[tuple[str, Any], ...] = DEFAULT_RULES
+    BLOCK: typing.ClassVar[str] = "mesh"
+
+    def check(self) -> None:
+        for name in ("data", "fsdp"):
+            if getattr(self, name) == 0 or getattr(self, name) < -1:
+                raise ConfigError(f"mesh.{name} must be a positive size or -1 (the rest); got {getattr(self, name)}")
+        if self.data == -1 and self.fsdp == -1:
+            raise ConfigError("mesh.data and mesh.fsdp cannot both be -1")
+        for rule in self.rules:
+            if len(rule) != 2 or not isinstance(rule[0], str):
+                raise ConfigError(f"mesh.rules holds (logical name, mesh axis or axes or None) pairs; got {rule!r}")
+        object.__setattr__(
+            self, "rules", tuple((name, tuple(ax) if isinstance(ax, list) else ax) for name, ax in self.rules)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig(Block):
+    """The target hardware of ``train.py --plan``'s time-and-cost estimate; by default one logical
+    NeuronCore (LNC=2) of a trn2.48xlarge, from AWS's Trainium2 specifications (sources in
+    README.md): a chip has 667 dense bf16 TFLOP/s and 1.28 TB/s of NeuronLink-v3 and is four
+    logical cores; an instance is 16 chips = 64 logical cores. usd_per_instance_hour 0: the
+    estimate gives instance-hours only."""
+
+    name: str = "trn2.48xlarge (LNC=2)"
+    peak_tflops_per_device: float = PEAK_BF16_TFLOPS["Trainium2"][0]
+    interconnect_gbps_per_device: float = 1280.0 / 4
+    devices_per_instance: int = 64
+    usd_per_instance_hour: float = 0.0
+    BLOCK: typing.ClassVar[str] = "plan"
+
+    def check(self) -> None:
+        for name in ("peak_tflops_per_device", "interconnect_gbps_per_device", "devices_per_instance"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"plan.{name} must be > 0; got {getattr(self, name)}")
+        _positive(self, "plan", ("usd_per_instance_hour",), minimum=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(Block):
+    """A whole run: ``model``, ``data``, ``opt``, ``train``, ``mesh`` and ``plan`` blocks."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    opt: OptConfig = dataclasses.field(default_factory=OptConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
+    BLOCK: typing.ClassVar[str] = "config"
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping[str, Any]) -> RunConfig:
+        """The typed config of a ConfigDict (a file's ``get_config()``, overrides applied) or of a
+        dict (a checkpoint's saved config); every block is checked."""
+        cfg = cfg.to_dict() if hasattr(cfg, "to_dict") else cfg
+        if "model" not in cfg:
+            raise ConfigError("the config has no 'model' block; see configs/tiny.py for the layout")
+        return super().from_mapping(cfg)
 
 
 def load_config_file(path: str) -> Any:
@@ -154,9 +430,6 @@ def load_config_file(path: str) -> Any:
     return module.get_config(arg) if arg else module.get_config()
 
 
-def model_config(cfg: Any) -> ModelConfig:
-    """The ModelConfig of a full config (a ConfigDict with a ``model`` block)."""
-    if "model" not in cfg:
-        raise ConfigError("the config has no 'model' block; see configs/tiny.py for the layout")
-    block = cfg.model
-    return ModelConfig.from_mapping(block.to_dict() if hasattr(block, "to_dict") else block)
+def load_run_config(path: str) -> RunConfig:
+    """The checked RunConfig of a config file (``configs/x.py`` or ``configs/x.py:arg``)."""
+    return RunConfig.from_mapping(load_config_file(path))

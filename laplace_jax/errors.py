@@ -1,7 +1,7 @@
 """Every exception the package raises, in one module that imports nothing, so any layer can
 raise them. ``UserError`` and its subclasses are mistakes a user can fix; their messages say
 what to do, and the entry points (``cli.run``, ``serve.py``, the eval CLI) print them as one
-line without a traceback. (The HTTP error envelope, ``serve.routes.ApiError``, is a response
+line without a traceback. (The HTTP error envelope, ``serve.protocol.ApiError``, is a response
 format, not an exception of the package, and lives with the server.)"""
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
-from laplace_jax.config import ModelConfig, model_config
+from laplace_jax.config import COMM_DTYPES, ModelConfig, RunConfig
 from laplace_jax.models.gla_lm import abstract_params, count_params, init_state
 from laplace_jax.optim.comm_report import format_comm_report, muon_comm_report, use_fake_cpu_devices
-from laplace_jax.optim.muon import PAYLOAD_DTYPES, payload_dtype
+from laplace_jax.optim.muon import payload_dtype
 
 
 def kv_cache_bytes(cfg: ModelConfig, tokens: int, bytes_per_elem: int = 2) -> int:
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> None:
     FLAGS = flags.FLAGS
     if FLAGS.muon:
         use_fake_cpu_devices(FLAGS.devices)
-    cfg = model_config(FLAGS.config)
+    cfg = RunConfig.from_mapping(FLAGS.config).model
     rep = model_report(cfg, FLAGS.kv_tokens)
     if FLAGS.muon:
         rep["muon"] = muon_comm_report(cfg, FLAGS.devices, payload_dtype(FLAGS.comm_dtype))
@@ -109,5 +109,5 @@ if __name__ == "__main__":
     flags.DEFINE_integer("kv_tokens", 8192, "Context length for the softmax KV-cache comparison.")
     flags.DEFINE_bool("muon", False, "Compile the distributed Muon update and report its communication.")
     flags.DEFINE_integer("devices", 64, "Fake CPU devices (mesh size) for --muon.")
-    flags.DEFINE_enum("comm_dtype", "float32", list(PAYLOAD_DTYPES), "All-to-all payload dtype for --muon.")
+    flags.DEFINE_enum("comm_dtype", "float32", list(COMM_DTYPES), "All-to-all payload dtype for --muon.")
     cli.run(main)

@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from laplace_jax.config import ModelConfig
+from laplace_jax.config import MeshConfig, ModelConfig
 from laplace_jax.errors import UserError
 from laplace_jax.models.gla_lm import param_logical_axes
 
@@ -18,13 +18,11 @@ DATA, FSDP = "data", "fsdp"  # the mesh axes: pure data parallelism, and FSDP (p
 AXES = (DATA, FSDP)
 
 
-def make_mesh(mesh_cfg: Any, devices: list[jax.Device] | None = None) -> Mesh:
+def make_mesh(mesh_cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
     """A (data, fsdp) mesh over ``devices`` (default: all); -1 takes the remaining devices."""
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
-    data, fsdp = int(mesh_cfg.data), int(mesh_cfg.fsdp)
-    if data == -1 and fsdp == -1:
-        raise UserError("mesh.data and mesh.fsdp cannot both be -1")
+    data, fsdp = mesh_cfg.data, mesh_cfg.fsdp
     if data == -1:
         data = n // fsdp if fsdp > 0 and n % fsdp == 0 else 0
     if fsdp == -1:
@@ -37,10 +35,6 @@ def make_mesh(mesh_cfg: Any, devices: list[jax.Device] | None = None) -> Mesh:
         )
     grid = np.asarray(devices, dtype=object).reshape(data, fsdp)
     return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
-
-
-def rules(config: Any) -> tuple[tuple[str, Any], ...]:
-    return tuple((name, tuple(ax) if isinstance(ax, list) else ax) for name, ax in config.mesh.rules)
 
 
 def param_specs(cfg: ModelConfig, rule_set: tuple) -> Any:

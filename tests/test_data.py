@@ -1,11 +1,13 @@
 """prepare (text / JSONL / Parquet -> zarr3) round trips; the pipeline is deterministic and layout-free."""
 
+import itertools
 import json
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import tensorstore as ts
 
 from laplace_jax.data.pipeline import array_windows, store_windows, train_batches
 from laplace_jax.data.prepare import main, prepare
@@ -25,14 +27,22 @@ def _inputs(tmp_path):
     return [str(tmp_path / n) for n in ("a.txt", "b.jsonl", "c.parquet")]
 
 
+def _doc_offsets(split_dir) -> np.ndarray:
+    """The document offsets prepare writes beside the tokens (zarr3, read with tensorstore)."""
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(split_dir / "doc_offsets")}}
+    return np.asarray(ts.open(spec, open=True, read=True).result().read().result())
+
+
 def test_prepare_round_trips_token_ids(tmp_path):
     meta = prepare(_inputs(tmp_path), "byte", str(tmp_path / "out"), val_fraction=0.2, seed=1)
     tok = ByteTokenizer()
     got = []
     for split in ("train", "val"):
         store = TokenStore(str(tmp_path / "out"), split)
-        for i in range(meta["splits"][split]["docs"]):
-            got.append(tok.decode(store.document(i).tolist()))
+        offsets = _doc_offsets(tmp_path / "out" / split)  # document i is tokens[o_i : o_{i+1} - 1], then EOS
+        for lo, hi in itertools.pairwise(offsets):
+            got.append(tok.decode(store.read(int(lo), int(hi) - 1).tolist()))
+        assert len(offsets) == meta["splits"][split]["docs"] + 1
         assert int(store.read(len(store) - 1, len(store))[0]) == tok.eos_id
     assert sorted(got) == sorted(DOCS)
     assert meta["splits"]["val"]["docs"] > 0 and meta["vocab_size"] == 256

@@ -257,7 +257,7 @@ def test_short_recall_training_beats_chance(tmp_path):
 
 
 def test_data_source_typos_are_clear_errors():
-    from laplace_jax.config import model_config
+    from laplace_jax.config import RunConfig
     from laplace_jax.data.sources import TrainingData
     from laplace_jax.defaults import base_config
     from laplace_jax.errors import UserError
@@ -265,9 +265,10 @@ def test_data_source_typos_are_clear_errors():
     cfg = base_config()
     cfg.model.update(vocab_size=256, d_model=64, n_layers=1, n_heads=1)
     cfg.data.source = "mqr"
-    with pytest.raises(UserError, match="'text' or 'mqar'"):
-        TrainingData(cfg, model_config(cfg))
+    with pytest.raises(UserError, match=r"data\.source must be one of 'text', 'mqar'; got 'mqr'"):
+        RunConfig.from_mapping(cfg)
     cfg.data.update(source="mqar", seq_len=32)
     cfg.data.mqar.update(min_pairs=1, max_pairs=20)
+    run = RunConfig.from_mapping(cfg)
     with pytest.raises(DataError, match=r"does not fit data\.seq_len=32"):
-        TrainingData(cfg, model_config(cfg))
+        TrainingData(run.data, run.model)

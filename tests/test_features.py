@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 
 from laplace_jax.convert import load_fla
 from laplace_jax.errors import UserError
+from laplace_jax.optim.from_config import make_schedule
 from laplace_jax.train.loop import run
-from laplace_jax.train.step import make_schedule
 from laplace_jax.train.trainer import Trainer
 from tests.helpers import micro_config
 
@@ -56,10 +56,9 @@ def test_adamw_alone_takes_the_first_adam_step():
     cfg = micro_config(opt=opt)
     batch = np.random.default_rng(1).integers(1, 256, (1, 8, 65)).astype(np.int32)
     state, new, _ = _one_step(cfg, batch)
-    from laplace_jax.config import model_config
     from laplace_jax.loss import loss_fn
 
-    grads = jax.grad(lambda p: loss_fn(model_config(cfg), p, jnp.asarray(batch[0])))(state["params"])
+    grads = jax.grad(lambda p: loss_fn(cfg.model, p, jnp.asarray(batch[0])))(state["params"])
     lr = float(make_schedule(cfg.opt, cfg.train.steps)(0))
     checked = 0
     for p0, g, p1 in zip(*(jax.tree.leaves(t) for t in (state["params"], grads, new["params"])), strict=True):

@@ -243,10 +243,10 @@ def analytic_param_count(cfg: ModelConfig) -> int:
 
 @pytest.mark.parametrize("name", ["tiny", "gla_340m", "gla_1b3", "3b"])
 def test_param_count_of_every_config(name):
-    from laplace_jax.config import load_config_file, model_config
+    from laplace_jax.config import load_run_config
     from laplace_jax.info import model_report
 
-    cfg = model_config(load_config_file(f"configs/{name}.py"))
+    cfg = load_run_config(f"configs/{name}.py").model
     rep = model_report(cfg)
     assert rep["params"] == analytic_param_count(cfg)
     if name == "3b":
@@ -293,10 +293,10 @@ def test_3b_decode_step_updates_the_state_in_place(weights, compute):
     bf16 weights cost 10.7 GiB (an f32 copy of every layer's weights, hoisted out of the loop)."""
     import dataclasses
 
-    from laplace_jax.config import load_config_file, model_config
+    from laplace_jax.config import load_run_config
     from laplace_jax.models.gla_lm import abstract_params, init_state, pack_weights
 
-    cfg = dataclasses.replace(model_config(load_config_file("configs/3b.py")), dtype=compute)
+    cfg = dataclasses.replace(load_run_config("configs/3b.py").model, dtype=compute)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(weights)), abstract_params(cfg))
     params = jax.eval_shape(pack_weights, params)
     state = jax.eval_shape(lambda: init_state(cfg, 256))

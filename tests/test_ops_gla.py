@@ -13,9 +13,9 @@ import torch
 from benchmarks.bench_decay_sweep import DECAYS as SWEEP
 from benchmarks.bench_decay_sweep import inputs as sweep_inputs
 from laplace_jax.ops.gla import chunk_gla, gla_step, recurrent_gla
+from laplace_jax.ops.gla.naive import random_gla_inputs as _inputs
+from laplace_jax.ops.gla.naive import rel_error as _rel
 from tests.torch_gla import naive_recurrent_gla
-from tests.torch_gla import random_gla_inputs as _inputs
-from tests.torch_gla import rel_error as _rel
 
 TOL = 5e-6  # max abs error relative to the output scale (max |o_ref|), fp32: 10x the worst measured (5e-7)
 
@@ -198,7 +198,7 @@ def test_pallas_tiles_and_padding_do_not_change_result():
     """Odd head widths (K 24 -> 32, V 40 -> 48 in tiles of 16) against the XLA kernel."""
     q, k, v, g, s0 = _inputs(70, "strong", K=24, V=40)
     ref, s_ref = chunk_gla(q, k, v, g, initial_state=s0, chunk_size=32)
-    from laplace_jax.ops.gla_pallas import pallas_gla
+    from laplace_jax.ops.gla.pallas import pallas_gla
 
     o, s = pallas_gla(q, k, v, g, s0, scale=24**-0.5, chunk_size=32, block_v=16, interpret=True)
     assert o.shape == ref.shape and s.shape == s_ref.shape
@@ -223,3 +223,21 @@ def test_bad_inputs_raise_clear_errors():
         chunk_gla(q, k, v, g, chunk_size=8, kernel="pallas")
     with pytest.raises(ValueError, match="kernel must be one of"):
         chunk_gla(q, k, v, g, kernel="triton")
+
+
+@pytest.mark.parametrize("decay", ["weak", "strong"])
+def test_the_packages_float64_reference_matches_torch_and_its_autograd(decay):
+    """ops/gla/naive.py (NumPy, the benchmarks' reference) against tests/torch_gla.py (PyTorch):
+    outputs, final state and all five gradients of its hand-written reverse-time recurrence."""
+    from laplace_jax.ops.gla.naive import naive_gla, naive_gla_vjp
+
+    q, k, v, g, s0 = _inputs(37, decay, seed=3)
+    o, s = naive_gla(q, k, v, g, initial_state=s0)
+    xs = [torch.from_numpy(np.asarray(x, np.float64)).requires_grad_() for x in (q, k, v, g, s0)]
+    o_t, s_t = naive_recurrent_gla(*xs[:4], initial_state=xs[4])
+    assert _rel(o, o_t.detach().numpy()) < 1e-13 and _rel(s, s_t.detach().numpy()) < 1e-13
+    r = np.random.default_rng(0)
+    do, dS = r.standard_normal(o.shape), r.standard_normal(s.shape)
+    ((o_t * torch.from_numpy(do)).sum() + (s_t * torch.from_numpy(dS)).sum()).backward()
+    for name, ours, x in zip(["q", "k", "v", "g", "s0"], naive_gla_vjp(q, k, v, g, s0, do, dS), xs, strict=True):
+        assert _rel(ours, x.grad.numpy()) < 1e-13, name

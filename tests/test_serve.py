@@ -72,14 +72,14 @@ def test_chat_content_and_its_stream_are_the_models_greedy_text(srv):
     "spec, want", [("pow2", [1, 2, 4, 6]), ("exact", None), ("1,4", [1, 4, 6]), ("2,6", [2, 6]), ("1,4,6", [1, 4, 6])]
 )
 def test_decode_bucket_specs(spec, want):
-    from laplace_jax.serve.engine import make_buckets
+    from laplace_jax.serve.scheduler import make_buckets
 
     assert make_buckets(spec if spec in ("pow2", "exact") else spec.split(","), 6) == want
 
 
 @pytest.mark.parametrize("spec", ["0,4", "4,9", "a,b", ""])
 def test_bad_decode_bucket_specs_are_refused_clearly(spec):
-    from laplace_jax.serve.engine import make_buckets
+    from laplace_jax.serve.scheduler import make_buckets
 
     with pytest.raises(ValueError, match="decode buckets"):
         make_buckets(spec.split(","), 6)

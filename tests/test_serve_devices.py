@@ -65,14 +65,14 @@ def test_requests_go_to_the_least_loaded_device_and_compact_per_device():
     reqs = [Request(TOK.encode(f"x{i}"), long, lambda *_: None) for i in range(6)]
     for r in reqs:
         eng.submit(r)
-    eng._admit()
+    eng.scheduler.admit()
     assert eng.occupancy() == [2, 2, 1, 1]  # one per device per round, least-loaded first
     reqs[0].cancelled = True  # device 0, slot 0: its last live slot moves into the hole
-    eng._reap_cancelled()
+    eng.scheduler.slots.reap_cancelled()
     assert eng.occupancy() == [1, 2, 1, 1]
-    assert eng._rows[0] == [reqs[4]]
+    assert eng.scheduler.slots.rows[0] == [reqs[4]]
     eng.submit(Request(TOK.encode("new"), long, lambda *_: None))
-    eng._admit()
+    eng.scheduler.admit()
     assert eng.occupancy() == [2, 2, 1, 1]  # devices 0, 2, 3 tie at 1: the lowest index wins
 
 
@@ -85,8 +85,8 @@ def test_a_moved_slot_keeps_decoding_its_own_sequence():
     reqs = [Request(TOK.encode(PROMPTS[i]), greedy, lambda t, r, i=i: outs[i].extend(t)) for i in range(8)]
     for r in reqs:
         eng.submit(r)
-    eng._admit()
-    eng._decode_once()
+    eng.scheduler.admit()
+    eng.scheduler.decode_once()
     reqs[0].cancelled = True
     eng.run_until_idle()
     for i in range(1, 8):

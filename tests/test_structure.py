@@ -1,4 +1,5 @@
-"""The package's structure: imports point down the declared layers; functions stay short."""
+"""The package's structure: imports point down the declared layers; functions and classes stay
+short; every module says what it holds."""
 
 import os
 
@@ -7,7 +8,7 @@ from laplace_jax.tools import layers
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_the_package_has_no_upward_import_unplaced_module_or_long_function():
+def test_the_package_has_no_upward_import_unplaced_module_long_function_or_class_or_bare_module():
     assert layers.check(ROOT) == []
 
 
@@ -15,15 +16,21 @@ def test_the_check_finds_each_kind_of_problem(tmp_path):
     pkg = tmp_path / "laplace_jax"
     (pkg / "ops").mkdir(parents=True)
     (pkg / "serve").mkdir()
-    (pkg / "serve" / "engine.py").write_text("X = 1\n")
+    (pkg / "serve" / "engine.py").write_text("X = 1\n")  # no module docstring
     body = "\n".join(f"    x{i} = {i}" for i in range(layers.MAX_FUNCTION_LINES))
     (pkg / "ops" / "kernel.py").write_text(
+        '"""A kernel."""\n\n\n'
         "def helper():\n    from laplace_jax.serve.engine import X\n    return X\n\n\n"
         f"def long():\n{body}\n    return 0\n"
     )
     (pkg / "stray.py").write_text("from laplace_jax.ops import kernel\n")
+    methods = "\n".join(f"    def m{i}(self):\n        return {i}\n" for i in range(layers.MAX_CLASS_LINES // 2))
+    (pkg / "ops" / "big.py").write_text(f'"""\nA first line that is blank."""\n\n\nclass Big:\n{methods}')
     problems = layers.check(str(tmp_path))
     assert any("ops.kernel (kernels) imports serve.engine (serving)" in p for p in problems), problems
     assert any(f"long is {layers.MAX_FUNCTION_LINES + 2} lines" in p for p in problems), problems
     assert any("module 'stray' is in no layer" in p for p in problems), problems
-    assert len(problems) == 3
+    assert any("class Big is " in p and f"(at most {layers.MAX_CLASS_LINES})" in p for p in problems), problems
+    bare = [p for p in problems if "no module docstring" in p]
+    assert sorted(p.split(":")[0].rsplit("/", 1)[1] for p in bare) == ["big.py", "engine.py"], problems
+    assert len(problems) == 6

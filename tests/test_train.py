@@ -248,15 +248,14 @@ def test_fsdp_gradients_equal_one_device_and_leave_as_reduce_scattered_shards():
     the replicated norm gains and the data-axis sum of the shards)."""
     import flax.linen as nn
 
-    from laplace_jax.config import model_config
     from laplace_jax.data.synthetic import NO_LOSS
     from laplace_jax.loss import loss_fn
     from laplace_jax.models.gla_lm import init_params
-    from laplace_jax.sharding import make_mesh, param_shardings, param_specs, rules
+    from laplace_jax.sharding import make_mesh, param_shardings, param_specs
     from laplace_jax.train.step import fsdp_value_and_grad
 
     cfg = micro_config(mesh=dict(data=2, fsdp=4))
-    model, rule_set = model_config(cfg), rules(cfg)
+    model, rule_set = cfg.model, cfg.mesh.rules
     mesh = make_mesh(cfg.mesh, jax.devices()[:8])
     params = init_params(model, jax.random.key(0))
     batch = np.random.default_rng(0).integers(1, 256, (8, 65)).astype(np.int32)

@@ -8,30 +8,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-def random_gla_inputs(T, decay, seed=0, B=2, H=2, K=16, V=32, dtype=np.float32):
-    """(q, k, v, g, s0) as numpy: normal q/k/v/s0 and log-decays g that are fla-like ("weak":
-    logsigmoid(z)/16) or "strong" (per-token log-decays down to about -50 nats, some near 0)."""
-    r = np.random.default_rng(seed)
-    q, k = (r.standard_normal((B, T, H, K)).astype(dtype) for _ in range(2))
-    v = r.standard_normal((B, T, H, V)).astype(dtype)
-    if decay == "weak":
-        g = np.log(1 / (1 + np.exp(-r.standard_normal((B, T, H, K))))) / 16
-    else:
-        z = r.standard_normal((B, T, H, K)) * 30 - 20
-        g = -np.logaddexp(0, -z)
-    s0 = r.standard_normal((B, H, K, V)).astype(np.float32)
-    return q, k, v, g.astype(np.float32), s0
-
-
-def rel_error(a, ref) -> float:
-    """max |a - ref| / max |ref|, in float64."""
-    return float(np.max(np.abs(np.asarray(a, np.float64) - ref)) / np.max(np.abs(ref)))
 
 
 def naive_recurrent_gla(q, k, v, g, scale=None, initial_state=None):

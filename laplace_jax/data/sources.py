@@ -5,11 +5,10 @@ the synthetic recall mixture)."""
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import numpy as np
 
-from laplace_jax.config import ModelConfig
+from laplace_jax.config import DataConfig, ModelConfig
 from laplace_jax.data.corpus import embedded_documents
 from laplace_jax.data.pipeline import WindowSource, array_windows, eval_batches, store_windows
 from laplace_jax.data.store import read_meta
@@ -20,11 +19,11 @@ from laplace_jax.errors import DataError, UserError
 
 class TrainingData:
     """``train`` windows, ``val`` eval batches and the tokenizer's facts (``tokenizer`` spec,
-    ``vocab_size``, ``eos_id``) for ``config.data``; checked against the model's vocabulary."""
+    ``vocab_size``, ``eos_id``) for a ``data`` block; checked against the model's vocabulary."""
 
-    def __init__(self, config: Any, model_cfg: ModelConfig):
+    def __init__(self, data: DataConfig, model_cfg: ModelConfig):
         try:
-            self._load(config.data)
+            self._load(data)
         except FileNotFoundError as e:
             raise DataError(f"{e}; check data.path (a directory written by laplace_jax.data.prepare)") from e
         if self.vocab_size > model_cfg.vocab_size:
@@ -33,11 +32,9 @@ class TrainingData:
                 f"set --config.model.vocab_size={self.vocab_size} (or larger) or use matching data"
             )
 
-    def _load(self, d: Any) -> None:
+    def _load(self, d: DataConfig) -> None:
         self.train: WindowSource
         val: WindowSource
-        if d.source not in ("text", "mqar"):
-            raise UserError(f"data.source must be 'text' or 'mqar'; got {d.source!r}")
         if d.source == "mqar":
             tok = load_tokenizer(d.tokenizer)
             self.tokenizer, self.vocab_size, self.eos_id = tok.spec, tok.vocab_size, tok.eos_id

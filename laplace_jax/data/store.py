@@ -58,9 +58,6 @@ class TokenStore:
             raise DataError(f"{path} has no split {split!r} (has {sorted(self.meta['splits'])})")
         try:
             self.tokens = ts.open(_spec(os.path.join(path, split, "tokens"), "uint32"), open=True, read=True).result()
-            self.offsets = ts.open(
-                _spec(os.path.join(path, split, "doc_offsets"), "uint64"), open=True, read=True
-            ).result()
         except (ValueError, RuntimeError) as e:
             raise DataError(f"{path}/{split} is missing or corrupt ({e}); re-run laplace_jax.data.prepare") from e
         want = self.meta["splits"][split]["tokens"]
@@ -77,7 +74,3 @@ class TokenStore:
             return np.asarray(self.tokens[start:stop].read().result())
         except (ValueError, RuntimeError) as e:
             raise DataError(f"reading tokens {start}:{stop} failed ({e}); the data is corrupt, re-run prepare") from e
-
-    def document(self, i: int) -> np.ndarray:
-        lo, hi = (int(x) for x in np.asarray(self.offsets[i : i + 2].read().result()))
-        return self.read(lo, hi - 1)

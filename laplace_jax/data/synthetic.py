@@ -28,8 +28,6 @@ class MQARWindows:
         split: str = "train",
         size: int = 1 << 24,
     ) -> None:
-        if not 1 <= min_pairs <= max_pairs:
-            raise DataError(f"data.mqar needs 1 <= min_pairs <= max_pairs; got {min_pairs}, {max_pairs}")
         self.tokenizer, self.seq_len, self.seed = tokenizer, seq_len, seed
         self.min_pairs, self.max_pairs, self._size = min_pairs, max_pairs, size
         self._stream = {"train": 0, "val": 1}[split]  # disjoint random streams per split

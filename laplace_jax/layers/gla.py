@@ -11,7 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax.config import ModelConfig
 from laplace_jax.layers.common import GatedRMSNorm, Linear, ShortConv
-from laplace_jax.ops.gla import chunk_gla, gla_step, recurrent_gla, resolve_attn_impl
+from laplace_jax.ops.gla import chunk_gla, gla_step, kernel_for, recurrent_gla
 
 Array = jax.Array
 LayerState = dict[str, Array]
@@ -67,10 +67,9 @@ class GatedLinearAttention(nn.Module):
         if s0 is not None and T == 1:
             o, s = gla_step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], s0)
             o = o[:, None]
-        elif (impl := resolve_attn_impl(cfg.attn_impl)) == "recurrent":
+        elif (kernel := kernel_for(cfg.attn_impl)) == "recurrent":
             o, s = recurrent_gla(q, k, v, gk, initial_state=s0)
         else:
-            kernel = "pallas" if impl == "pallas" else "xla"
             o, s = chunk_gla(q, k, v, gk, initial_state=s0, chunk_size=cfg.chunk_size, kernel=kernel)
         new_state["gla"] = s
 

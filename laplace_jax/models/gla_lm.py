@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from laplace_jax.config import ModelConfig
+from laplace_jax.config import REMAT_POLICIES, ModelConfig
 from laplace_jax.layers.common import Embedding, Linear, RMSNorm, SwiGLU
 from laplace_jax.layers.gla import GatedLinearAttention
 from laplace_jax.parallel import constrain
@@ -26,12 +26,6 @@ from laplace_jax.parallel import constrain
 Array = jax.Array
 Params = dict
 
-# model.remat -> jax.checkpoint policy (what a layer keeps for its backward; "none" skips remat).
-REMAT_POLICIES = {
-    "full": None,  # only the layer's input; the whole layer is recomputed
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # projection / MLP matmul outputs
-    "save_gla": jax.checkpoint_policies.save_only_these_names("gla_inputs", "gla_states"),  # skips the GLA re-run
-}
 State = dict[str, Array]
 
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
+from laplace_jax.config import ADJUST_LR, COMM_DTYPES
 from laplace_jax.errors import ConfigError
 from laplace_jax.optim.newton_schulz import distributed_newton_schulz, make_plan
 
@@ -39,17 +40,14 @@ DEFAULT_ROUTING: tuple[tuple[str, str], ...] = (
     (r"conv1d", "adam"),
     (r"/kernel$", "muon"),
 )
-ADJUST_LR = ("match_rms_adamw", "original")
-
-
-PAYLOAD_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # config name -> all-to-all payload (None: fp32)
 
 
 def payload_dtype(name: str) -> jnp.dtype | None:
-    """The Muon all-to-all payload for a config value ('float32' or 'bfloat16'), as ``comm_dtype`` takes it."""
-    if name not in PAYLOAD_DTYPES:
-        raise ConfigError(f"opt.comm_dtype must be one of {sorted(PAYLOAD_DTYPES)}; got {name!r}")
-    return PAYLOAD_DTYPES[name]
+    """The Muon all-to-all payload for a config value (``config.COMM_DTYPES``), as ``comm_dtype``
+    takes it (None: float32, the gradients' own dtype)."""
+    if name not in COMM_DTYPES:
+        raise ConfigError(f"opt.comm_dtype must be one of {', '.join(COMM_DTYPES)}; got {name!r}")
+    return None if name == "float32" else jnp.dtype(name)
 
 
 def path_str(path: tuple) -> str:

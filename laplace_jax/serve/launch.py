@@ -21,9 +21,8 @@ import httpx
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from laplace_jax.serve import settings
 from laplace_jax.serve.routes import Server
-
-HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS = 10.0, 5.0, 1024
 
 
 def guarded_h11(header_timeout: float, max_connections: int) -> type[H11Protocol]:
@@ -73,9 +72,9 @@ def make_uvicorn(
     port: int,
     log_level: str = "warning",
     *,
-    header_timeout: float = HEADER_TIMEOUT_S,
-    keep_alive: float = KEEP_ALIVE_S,
-    max_connections: int = MAX_CONNECTIONS,
+    header_timeout: float = settings.HEADER_TIMEOUT_S,
+    keep_alive: float = settings.KEEP_ALIVE_S,
+    max_connections: int = settings.MAX_CONNECTIONS,
 ) -> uvicorn.Server:
     config = uvicorn.Config(
         server.app,

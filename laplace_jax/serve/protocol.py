@@ -1,5 +1,5 @@
 """The OpenAI / vLLM wire format: request schemas, the chat template, and the response pieces
-(logprobs in the completions and the chat shapes, the error envelope).
+(logprobs in the completions and the chat shapes, the error envelope and ``ApiError``).
 
 Schemas check types and forbid unknown fields (400 naming the field); value ranges are checked
 in one place, ``SamplingParams.check`` / ``Engine.check``.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from laplace_jax.data.tokenizer import Tokenizer
@@ -107,6 +108,21 @@ class DetokenizeRequest(_Strict):
 def envelope(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> dict:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+class ApiError(Exception):
+    """An HTTP error the server answers in OpenAI's envelope: ``status``, ``message``, the
+    ``param`` at fault and OpenAI's error ``type``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type_
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, type_: str = "invalid_request_error", headers=None
+) -> JSONResponse:
+    return JSONResponse(envelope(status, message, param, type_), status_code=status, headers=headers)
 
 
 def content_text(content: str | list[TextPart]) -> str:

@@ -168,3 +168,65 @@ class Completion:
     logprobs: list[TokenLogprob]
     prompt_logprobs: list[TokenLogprob | None] | None
     cumulative_logprob: float
+
+
+def check_prompt(prompt_ids: list[int], sps: tuple[SamplingParams, ...], vocab_size: int, max_model_len: int) -> None:
+    """Raise ``InvalidParamError`` if a request (or a group sharing ``prompt_ids``, one
+    ``SamplingParams`` per member) cannot be served as given. The prompt is checked once."""
+    for sp in sps:
+        sp.check(vocab_size)
+    n = len(prompt_ids)
+    if n == 0:
+        raise InvalidParamError("prompt", "the prompt is empty")
+    try:
+        ids = np.asarray(prompt_ids, np.int64)
+    except OverflowError:
+        ids = np.asarray([-1])
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise InvalidParamError("prompt", f"prompt token ids must lie in [0, {vocab_size})")
+    if n >= max_model_len:
+        raise InvalidParamError(
+            "prompt", f"the prompt has {n} tokens; max_model_len {max_model_len} leaves no room to generate"
+        )
+    longest = max(sp.max_tokens for sp in sps)
+    if n + longest > max_model_len:
+        raise InvalidParamError(
+            "max_tokens",
+            f"prompt ({n} tokens) + max_tokens ({longest}) exceeds max_model_len {max_model_len}; "
+            f"ask for at most {max_model_len - n} tokens",
+        )
+
+
+def stop_ids(sp: SamplingParams, eos_id: int) -> list[int]:
+    """The token ids that end a request (the same list the device checks)."""
+    return ([] if sp.ignore_eos else [eos_id]) + list(sp.stop_token_ids)
+
+
+def row_params(req: Request, vocab_size: int, eos_id: int, seed: int, impl: str) -> dict[str, np.ndarray]:
+    """The device's per-slot sampling inputs for ``req`` (``seed`` when it gave none; key data for
+    PRNG ``impl``): scalars, and [vocab_size] bias, seen-token and stop masks."""
+    sp, V = req.sampling, vocab_size
+    seed = sp.seed if sp.seed is not None else seed
+    bias = np.zeros((V,), np.float32)
+    if sp.logit_bias:
+        bias[list(sp.logit_bias)] = list(sp.logit_bias.values())
+    seen = np.zeros((V,), bool)
+    if sp.repetition_penalty != 1.0:
+        seen[req.prompt_ids] = True
+    stop_mask = np.zeros((V,), bool)
+    stop_mask[stop_ids(sp, eos_id)] = True
+    return {
+        "temperature": np.float32(sp.temperature),
+        "top_k": np.int32(sp.top_k),
+        "top_p": np.float32(sp.top_p),
+        "min_p": np.float32(sp.min_p),
+        "key": prng_key_data(seed, impl),
+        "remaining": np.int32(sp.max_tokens - 1),
+        "min_tokens": np.int32(sp.min_tokens),
+        "presence": np.float32(sp.presence_penalty),
+        "frequency": np.float32(sp.frequency_penalty),
+        "repetition": np.float32(sp.repetition_penalty),
+        "bias": bias,
+        "seen": seen,
+        "stop_mask": stop_mask,
+    }

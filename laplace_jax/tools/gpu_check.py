@@ -73,7 +73,7 @@ def capture(shape: tuple[int, ...]) -> list[dict[str, Any]]:
                 m["pass"] = label
     finally:
         lowering.lower_jaxpr_to_triton_module = original
-    from laplace_jax.ops.gla_pallas import LAUNCH
+    from laplace_jax.ops.gla.pallas import LAUNCH
 
     return [{**m, **LAUNCH} for m in modules]
 

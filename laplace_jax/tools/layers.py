@@ -1,5 +1,6 @@
-"""Check the package's structure: imports only point down the declared layers, and no function
-is longer than ``MAX_FUNCTION_LINES``.
+"""Check the package's structure: imports only point down the declared layers, no function is
+longer than ``MAX_FUNCTION_LINES`` nor any class than ``MAX_CLASS_LINES``, and every non-empty
+module opens with a docstring whose first line says what it holds.
 
     python -m laplace_jax.tools.layers          # exit 1 and list every violation
 
@@ -16,6 +17,7 @@ import sys
 
 PACKAGE = "laplace_jax"
 MAX_FUNCTION_LINES = 80
+MAX_CLASS_LINES = 250
 
 # (layer name, the modules in it: a dotted prefix below ``laplace_jax`` matches a module or a package)
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -89,12 +91,33 @@ def check(root: str) -> list[str]:
                 problems.append(
                     f"{path}:{line}: {module} ({LAYERS[mine][0]}) imports {target} ({LAYERS[theirs][0]}), a layer above"
                 )
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
-                if n > MAX_FUNCTION_LINES:
-                    problems.append(f"{path}:{node.lineno}: {node.name} is {n} lines (at most {MAX_FUNCTION_LINES})")
+        problems += _sizes(path, tree) + _docstring(path, tree)
     return problems
+
+
+def _sizes(path: str, tree: ast.AST) -> list[str]:
+    """Functions over ``MAX_FUNCTION_LINES`` and classes over ``MAX_CLASS_LINES``."""
+    out = []
+    for node in ast.walk(tree):
+        kind, limit = {
+            ast.FunctionDef: ("", MAX_FUNCTION_LINES),
+            ast.AsyncFunctionDef: ("", MAX_FUNCTION_LINES),
+            ast.ClassDef: ("class ", MAX_CLASS_LINES),
+        }.get(type(node), (None, 0))
+        if kind is not None and (n := node.end_lineno - node.lineno + 1) > limit:
+            out.append(f"{path}:{node.lineno}: {kind}{node.name} is {n} lines (at most {limit})")
+    return out
+
+
+def _docstring(path: str, tree: ast.Module) -> list[str]:
+    """A module with code must open with a docstring whose first line is a sentence of its own."""
+    if not tree.body:
+        return []
+    doc = ast.get_docstring(tree, clean=False)
+    first = (doc or "").split("\n")[0].strip()
+    if not first:
+        return [f"{path}:1: no module docstring whose first line says what the module holds"]
+    return []
 
 
 def main() -> int:

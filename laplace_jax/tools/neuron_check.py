@@ -25,7 +25,10 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from laplace_jax.config import RunConfig
 
 CALLBACKS = {"pure_callback", "io_callback", "debug_callback", "debug_print", "callback"}
 RNG = {"random_bits", "random_split", "random_fold_in", "random_seed", "random_wrap", "random_unwrap"}
@@ -82,23 +85,21 @@ def findings(jaxpr: Any, program: str) -> list[dict[str, str]]:
     return out
 
 
-def programs(config: Any, prng: str) -> dict[str, Any]:
+def programs(config: RunConfig, prng: str) -> dict[str, Any]:
     """name -> jaxpr of each program a Neuron user runs (abstract inputs)."""
     import jax
     import jax.numpy as jnp
 
-    from laplace_jax.config import model_config
     from laplace_jax.models.gla_lm import abstract_params, decode_step, forward, init_params, init_state, pack_weights
     from laplace_jax.models.gla_lm import prefill as prefill_fn
     from laplace_jax.platform import key_words
     from laplace_jax.sampling import sample_rows
     from laplace_jax.train.trainer import Trainer
 
-    config.train.prng_impl = prng
-    trainer = Trainer(config)
+    trainer = Trainer(dataclasses.replace(config, train=dataclasses.replace(config.train, prng_impl=prng)))
     with jax.set_mesh(trainer.mesh):
         train = trainer.step_fn.trace(trainer.abstract_state, trainer.abstract_batch).jaxpr.jaxpr
-    cfg = model_config(config)
+    cfg = config.model
     serving = dataclasses.replace(cfg, dtype="bfloat16")
     params = abstract_params(cfg)
     bf16 = jax.eval_shape(pack_weights, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params))
@@ -136,12 +137,13 @@ def main(argv: list[str] | None = None) -> int:
 
     with contextlib.suppress(RuntimeError):  # backends already started (a test): the mesh takes what there is
         jax.config.update("jax_num_cpu_devices", a.devices)
-    from laplace_jax.config import load_config_file
+    from laplace_jax.config import RunConfig, load_config_file
     from laplace_jax.errors import UserError
 
     try:
         config = load_config_file(a.config)
         config.mesh.data, config.mesh.fsdp = 1, -1  # the FSDP step over all --devices
+        config = RunConfig.from_mapping(config)
         found = {name: findings(j, name) for name, j in programs(config, a.prng_impl).items()}
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -13,16 +13,18 @@ import jax
 
 from laplace_jax import platform
 from laplace_jax.checkpoint import TrainCheckpointer
+from laplace_jax.config import RunConfig
 from laplace_jax.data.pipeline import train_batches
 from laplace_jax.data.sources import TrainingData
 from laplace_jax.errors import UserError
+from laplace_jax.train.accounting import check_fit, flops_per_token, memory_report
 from laplace_jax.train.metrics import MetricsWriter, StepLog, plot_loss
-from laplace_jax.train.step import flops_per_token
-from laplace_jax.train.trainer import Trainer, check_fit, memory_report
+from laplace_jax.train.trainer import Trainer
 
 
-def _config_dict(config: Any) -> dict:
-    return json.loads(config.to_json_best_effort())
+def _config_dict(config: RunConfig) -> dict:
+    """The config as the JSON a checkpoint records (tuples become lists)."""
+    return json.loads(json.dumps(config.to_dict()))
 
 
 def _check_workdir(workdir: str) -> None:
@@ -62,7 +64,7 @@ def _banner(trainer: Trainer, mem: dict[str, int], peak: float, peak_src: str) -
 
 
 def run(
-    config: Any, workdir: str, *, max_steps: int | None = None, devices: list | None = None, log=print
+    config: RunConfig, workdir: str, *, max_steps: int | None = None, devices: list | None = None, log=print
 ) -> dict[str, Any]:
     """Train (or resume) and return a summary. ``max_steps`` stops early; ``devices`` defaults to all."""
     _check_workdir(workdir)
@@ -70,7 +72,7 @@ def run(
     if lead:
         log(f"{workdir}: building the training data and compiling the step (tens of seconds on a CPU)")
     trainer = Trainer(config, devices)
-    data = TrainingData(config, trainer.model_cfg)
+    data = TrainingData(config.data, config.model)
     compiled = trainer.compile()
     mem = memory_report(compiled)
     check_fit(mem, platform.device_memory_bytes(t.device_memory_gib), trainer.mesh.size)

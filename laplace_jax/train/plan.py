@@ -3,7 +3,7 @@ its memory and collectives from the compiled HLO, and estimate the whole run's t
 the target hardware (``config.plan``). Nothing is allocated.
 
 The estimate is a roofline, not a measurement:
-- compute: the step's model FLOPs (``step.flops_per_token`` x tokens) per device over the
+- compute: the step's model FLOPs (``accounting.flops_per_token`` x tokens) per device over the
   device's dense bf16 peak, i.e. the step time at 100% MFU;
 - communication: the collectives' bytes on the wire per device (ring algorithms: all-gather and
   all-to-all move (n-1)/n of their result, reduce-scatter (n-1) x its shard, all-reduce twice
@@ -16,13 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 from laplace_jax import platform
-from laplace_jax.errors import UserError
+from laplace_jax.config import PlanConfig, RunConfig
 from laplace_jax.hlo_stats import collective_bytes, collectives_by_source
 from laplace_jax.optim import payload_dtype
 from laplace_jax.optim.comm_report import muon_comm_report
 from laplace_jax.sharding import FSDP
-from laplace_jax.train.step import flops_per_token
-from laplace_jax.train.trainer import Trainer, memory_report
+from laplace_jax.train.accounting import flops_per_token, memory_report
+from laplace_jax.train.trainer import Trainer
 
 # The original team's measured 3B training throughput on one trn2.48xlarge (64 logical cores),
 # Muon with the two all-to-alls (the original team's report; README "Figures for the 3B config").
@@ -39,7 +39,7 @@ def wire_bytes(collectives: dict[str, dict[str, float]], n: int) -> dict[str, fl
 
 
 def estimate_cost(
-    hw: Any,
+    hw: PlanConfig,
     *,
     flops_per_step: float,
     wire_bytes_per_device: float,
@@ -50,10 +50,8 @@ def estimate_cost(
 ) -> dict[str, Any]:
     """Step time, tokens/s, days and instance-hours of the whole run on ``hw`` (``config.plan``);
     ``with_seed`` adds the original team's measured 3B run (same model, same hardware) beside it."""
-    peak = float(hw.peak_tflops_per_device) * 1e12
-    link = float(hw.interconnect_gbps_per_device) * 1e9
-    if peak <= 0 or link <= 0:
-        raise UserError("plan.peak_tflops_per_device and plan.interconnect_gbps_per_device must be > 0")
+    peak = hw.peak_tflops_per_device * 1e12
+    link = hw.interconnect_gbps_per_device * 1e9
     compute_s = flops_per_step / devices / peak
     comm_s = wire_bytes_per_device / link
     rows = {}
@@ -63,13 +61,13 @@ def estimate_cost(
             "step_s": step_s,
             "tokens_per_s": tokens_per_step / step_s,
             "days": days,
-            "instance_hours": days * 24 * devices / int(hw.devices_per_instance),
+            "instance_hours": days * 24 * devices / hw.devices_per_instance,
         }
     out = {
-        "hardware": str(hw.name),
-        "peak_tflops_per_device": float(hw.peak_tflops_per_device),
-        "interconnect_gbps_per_device": float(hw.interconnect_gbps_per_device),
-        "usd_per_instance_hour": float(hw.usd_per_instance_hour),
+        "hardware": hw.name,
+        "peak_tflops_per_device": hw.peak_tflops_per_device,
+        "interconnect_gbps_per_device": hw.interconnect_gbps_per_device,
+        "usd_per_instance_hour": hw.usd_per_instance_hour,
         "compute_s_at_peak": compute_s,
         "comm_s": comm_s,
         "comm_over_compute": comm_s / compute_s,
@@ -81,13 +79,13 @@ def estimate_cost(
             "tokens_per_s": SEED_TOKENS_PER_S,
             "step_s": tokens_per_step / SEED_TOKENS_PER_S,
             "days": seed_days,
-            "instance_hours": seed_days * 24 * devices / int(hw.devices_per_instance),
+            "instance_hours": seed_days * 24 * devices / hw.devices_per_instance,
             "mfu": SEED_TOKENS_PER_S * flops_per_step / tokens_per_step / (devices * peak),
         }
     return out
 
 
-def plan(config: Any) -> dict[str, Any]:
+def plan(config: RunConfig) -> dict[str, Any]:
     """Compile the sharded step for the config's mesh on fake CPU devices; report memory, traffic and cost."""
     trainer = Trainer(config)
     compiled = trainer.compile()

@@ -1,4 +1,4 @@
-"""The optimizer, the learning-rate schedule and the pure train / eval steps.
+"""The pure train and eval steps.
 
 state = {"step", "params", "opt_state", "nonfinite" (consecutive skipped steps), "skipped" (total)}.
 The train step takes a batch [grad_accum, micro_batch, seq_len + 1] int32, accumulates
@@ -17,60 +17,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from laplace_jax.config import ModelConfig
-from laplace_jax.errors import UserError
 from laplace_jax.loss import loss_fn, loss_terms
-from laplace_jax.optim import muon, payload_dtype
-from laplace_jax.sharding import FSDP
 
 State = dict[str, Any]
-
-
-def make_schedule(opt: Any, steps: int) -> optax.Schedule:
-    """Linear warmup, then cosine to min_lr_ratio * lr ('cosine') or flat then linear decay ('wsd').
-
-    Step s (0-based) uses the schedule at s + 1, so the first step already moves (lr / warmup).
-    """
-    lr, warm = float(opt.lr), int(opt.warmup_steps)
-    floor = lr * float(opt.min_lr_ratio)
-    if opt.schedule == "cosine":
-        base = optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(steps, warm + 1), floor)
-    elif opt.schedule == "wsd":
-        decay = max(1, int(steps * float(opt.decay_fraction)))
-        stable = max(0, steps - warm - decay)
-        parts = [
-            optax.linear_schedule(0.0, lr, warm),
-            optax.constant_schedule(lr),
-            optax.linear_schedule(lr, floor, decay),
-        ]
-        base = optax.join_schedules(parts, [warm, warm + stable])
-    else:
-        raise UserError(f"opt.schedule must be 'cosine' or 'wsd'; got {opt.schedule!r}")
-    return lambda count: base(count + 1)
-
-
-def make_optimizer(opt: Any, steps: int, mesh: jax.sharding.Mesh | None = None, specs: Any = None):
-    """Global-norm clipping, then Muon + AdamW (or AdamW alone)."""
-    sched = make_schedule(opt, steps)
-    if opt.optimizer == "muon":
-        core = muon(
-            sched,
-            beta=opt.beta,
-            nesterov=opt.nesterov,
-            weight_decay=opt.weight_decay,
-            adjust_lr=opt.adjust_lr,
-            adam_b1=opt.b1,
-            adam_b2=opt.b2,
-            adam_eps=opt.eps,
-            mesh=mesh if mesh is not None and mesh.shape[FSDP] > 1 else None,
-            shard_axis=FSDP,
-            param_specs=specs,
-            comm_dtype=payload_dtype(opt.comm_dtype),
-        )
-    elif opt.optimizer == "adamw":
-        core = optax.adamw(sched, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)
-    else:
-        raise UserError(f"opt.optimizer must be 'muon' or 'adamw'; got {opt.optimizer!r}")
-    return optax.chain(optax.clip_by_global_norm(opt.clip_norm), core), sched
 
 
 def fsdp_value_and_grad(cfg: ModelConfig, mesh: Mesh, specs: Any) -> Any:
@@ -153,11 +102,3 @@ def train_step(
 
 def eval_step(cfg: ModelConfig, params: Any, batch_BxT1: jax.Array) -> jax.Array:
     return loss_fn(cfg, params, batch_BxT1)
-
-
-def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters) + 3 x the GLA chunk-form FLOPs."""
-    matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)  # lookup is free
-    C, K, V = cfg.chunk_size, cfg.head_k_dim, cfg.head_v_dim
-    gla = cfg.n_layers * cfg.n_heads * (4 * K * V + 2 * C * (K + V))
-    return 6.0 * matmul_params + 3.0 * gla

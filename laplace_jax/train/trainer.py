@@ -16,36 +16,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from laplace_jax.config import model_config
+from laplace_jax.config import RunConfig
 from laplace_jax.errors import UserError
 from laplace_jax.models.gla_lm import abstract_params, count_params, init_params
+from laplace_jax.optim.from_config import make_optimizer
 from laplace_jax.platform import prng_impl
-from laplace_jax.sharding import AXES, batch_sharding, make_mesh, param_shardings, param_specs, replicated, rules
-from laplace_jax.train.step import eval_step, init_state, make_optimizer, train_step
-
-
-def memory_report(compiled: Any) -> dict[str, int]:
-    """Per-device bytes of a compiled step: arguments, outputs, temporaries, aliased, total needed."""
-    m = compiled.memory_analysis()
-    need = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-    return {
-        "arguments": int(m.argument_size_in_bytes),
-        "outputs": int(m.output_size_in_bytes),
-        "temporaries": int(m.temp_size_in_bytes),
-        "aliased": int(m.alias_size_in_bytes),
-        "total": int(need),
-    }
-
-
-def check_fit(mem: dict[str, int], available: int, n_devices: int) -> None:
-    """Raise a UserError with advice when the step needs more than 95% of a device's memory."""
-    if mem["total"] > 0.95 * available:
-        raise UserError(
-            f"the train step needs {mem['total'] / 2**30:.1f} GiB per device (arguments "
-            f"{mem['arguments'] / 2**30:.1f}, temporaries {mem['temporaries'] / 2**30:.1f}) but a device has "
-            f"{available / 2**30:.1f} GiB ({n_devices} devices). Use more devices (mesh.fsdp), a smaller "
-            "data.global_batch with train.grad_accum, model.remat=full (or save_gla), or inspect with --plan"
-        )
+from laplace_jax.sharding import AXES, batch_sharding, make_mesh, param_shardings, param_specs, replicated
+from laplace_jax.train.step import eval_step, init_state, train_step
 
 
 def state_shardings(state_shapes: Any, param_shardings: Any, fallback: NamedSharding) -> Any:
@@ -78,19 +55,19 @@ class Trainer:
     int32), ``step_fn`` (state, batch) -> (state, metrics), ``steps``, ``n_params``,
     ``tokens_per_step``."""
 
-    def __init__(self, config: Any, devices: list | None = None):
+    def __init__(self, config: RunConfig, devices: list | None = None):
         self.config = config
-        self.model_cfg = model_config(config)
-        self.prng_impl = prng_impl(config.train.prng_impl)  # a typo fails here, before anything compiles
+        self.model_cfg = config.model
+        self.prng_impl = prng_impl(config.train.prng_impl)
         t, micro = config.train, self._micro_batch(config)
-        self.steps = int(t.steps)
+        self.steps = t.steps
         self.mesh = make_mesh(config.mesh, devices)
         if micro % self.mesh.size:
             raise UserError(
                 f"micro-batch {micro} (global_batch / grad_accum) is not divisible by {self.mesh.size} devices; "
                 "change data.global_batch or train.grad_accum"
             )
-        self.rules = rules(config)
+        self.rules = config.mesh.rules
         self.param_shardings = param_shardings(self.model_cfg, self.mesh, self.rules)
         specs = param_specs(self.model_cfg, self.rules)
         self.tx, self.sched = make_optimizer(config.opt, self.steps, self.mesh, specs)
@@ -119,7 +96,7 @@ class Trainer:
         self._eval_fn = jax.jit(functools.partial(eval_step, self.model_cfg))
 
     @staticmethod
-    def _micro_batch(config: Any) -> int:
+    def _micro_batch(config: RunConfig) -> int:
         if config.data.global_batch % config.train.grad_accum:
             raise UserError(
                 f"data.global_batch {config.data.global_batch} is not divisible by train.grad_accum "

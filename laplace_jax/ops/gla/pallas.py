@@ -1,6 +1,6 @@
 """Chunkwise GLA as Pallas kernels (forward and backward), written for Pallas' Triton lowering on GPU.
 
-Same recurrence, signature and numerics contract as ``chunk_gla`` (``ops/gla.py``); on CPU it runs
+Same recurrence, signature and numerics contract as ``chunk_gla`` (``ops/gla/chunk.py``); on CPU it runs
 with ``interpret=True`` (tests), and ``model.attn_impl="auto"`` picks it only on GPU.
 
 Why Triton and not Mosaic GPU: the Mosaic GPU lowering in jax 0.10 has no ``dot_general``,
@@ -50,6 +50,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from laplace_jax.config import SUB_BLOCK
+from laplace_jax.platform import on_gpu
 
 Array = jax.Array
 
@@ -434,3 +435,17 @@ def pallas_gla(
     s0 = jnp.pad(s0.astype(f32), ((0, 0), (0, 0), (0, Kp - K), (0, Vp - V)))
     o, sT = _gla_padded(q, k, v, g.astype(f32), s0, float(scale), chunk_size, BV, interpret)
     return o[:, :T, :, :V], sT[:, :, :K, :V]
+
+
+def pallas_interpret() -> bool:
+    """Whether the Pallas kernel must run interpreted on this backend (CPU), or raise where it
+    cannot run at all (it is written for Pallas' Triton lowering: GPU only)."""
+    if on_gpu():
+        return False
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return True
+    raise ValueError(
+        f"the Pallas GLA kernel lowers only on GPU (Triton); this backend is {backend!r}. "
+        "Use model.attn_impl='chunk' (or 'auto', which picks it here)."
+    )

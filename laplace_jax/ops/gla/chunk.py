@@ -1,4 +1,5 @@
-"""Chunkwise GLA in XLA with a hand-written backward (``jax.custom_vjp``).
+"""Chunkwise GLA: ``chunk_gla``, the public entry (any T, either kernel), and the XLA kernel with a
+hand-written backward (``jax.custom_vjp``).
 
 Per (batch, head), the sequence is cut into chunks of C tokens and each chunk into n sub-blocks
 of c = 16 tokens. Inside a chunk, with b_r the inclusive cumulative log-decay and s the scale:
@@ -58,10 +59,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax.config import SUB_BLOCK
+from laplace_jax.ops.gla.inputs import check_inputs
+from laplace_jax.ops.gla.pallas import pallas_gla, pallas_interpret
 
 Array = jax.Array
 
-SUB_CHUNK = SUB_BLOCK
 f32 = jnp.float32
 
 
@@ -103,7 +105,7 @@ class _Decays:
 
     def __init__(self, g_CxK: Array):
         *lead, C, K = g_CxK.shape
-        self.c = min(SUB_CHUNK, C)
+        self.c = min(SUB_BLOCK, C)
         self.n = C // self.c
         gs = g_CxK.reshape(*lead, self.n, self.c, K)
         self.step = jnp.exp(gs)  # e^{g_r}
@@ -306,3 +308,48 @@ def _vjp_bwd(scale, C, res, cot):
 
 
 chunk_gla_padded.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+KERNELS = ("xla", "pallas")  # the XLA kernel below, or the Pallas one (ops/gla/pallas.py)
+
+
+def chunk_gla(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    *,
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    chunk_size: int = 128,
+    kernel: str = "xla",
+    interpret: bool | None = None,
+) -> tuple[Array, Array]:
+    """Chunkwise-parallel GLA. Returns (o [B, T, H, V], final_state [B, H, K, V] fp32).
+
+    Any T >= 1: the tail is padded with state-neutral positions (q = k = v = 0, g = 0).
+    ``chunk_size`` must be a multiple of 16 (or, for the XLA kernel, one of 1, 2, 4, 8).
+    ``kernel``: "xla" (the kernel above: lax.scan, any backend) or "pallas" (``ops/gla/pallas.py``: a
+    Triton-lowered GPU kernel). ``interpret`` runs the Pallas kernel in the Pallas interpreter;
+    None means "on CPU only". Both kernels have the same numerics contract and gradients.
+    """
+    check_inputs(q, k, v, g, initial_state)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
+    if chunk_size <= 0 or (chunk_size % SUB_BLOCK and (kernel == "pallas" or SUB_BLOCK % chunk_size)):
+        raise ValueError(
+            f"chunk_size must be a positive multiple of {SUB_BLOCK} (the XLA kernel also takes 1, 2, 4, 8); "
+            f"got {chunk_size}"
+        )
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else float(scale)
+    s0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state
+    if kernel == "pallas":
+        interpret = pallas_interpret() if interpret is None else interpret
+        return pallas_gla(q, k, v, g, s0, scale=scale, chunk_size=chunk_size, interpret=interpret)
+    pad = (-T) % chunk_size
+    if pad:  # state-neutral tail: q = k = v = 0, g = 0
+        q, k, v, g = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, g))
+    o, final_state = chunk_gla_padded(q, k, v, g, s0, scale, chunk_size)
+    return o[:, :T], final_state

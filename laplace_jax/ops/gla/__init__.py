@@ -1,0 +1,27 @@
+"""Gated Linear Attention kernels: chunkwise-parallel form, token recurrence, one decode step.
+
+Layout: q, k, g are [B, T, H, K]; v is [B, T, H, V]; the recurrent state is [B, H, K, V] in
+float32. ``g`` is the log forget gate (<= 0). Per head:
+
+    S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T,      o_t = S_t^T (scale * q_t)
+
+``chunk_gla`` evaluates the same recurrence with matmuls over chunks of ``chunk_size`` tokens,
+running a ``lax.scan`` over chunks for the state. Every exponent is a direct sum of log-decays
+(<= 0), never the difference of two cumulative sums, so nothing overflows and nothing cancels
+however strong the decay: inside a chunk, off-diagonal 16-token sub-blocks factor through the
+boundary of the row's sub-block, and the diagonal sub-blocks use exact pairwise exponents.
+``recurrent_gla`` is the token-by-token scan (the oracle, and the decode path through ``gla_step``).
+
+All accumulation is float32; matmul operands take the dtype of ``q`` (bf16 inputs -> bf16
+operands, fp32 accumulation). Outputs take the dtype of ``v``.
+"""
+
+from __future__ import annotations
+
+from laplace_jax.ops.gla.chunk import KERNELS, chunk_gla
+from laplace_jax.ops.gla.dispatch import kernel_for
+from laplace_jax.ops.gla.naive import naive_gla
+from laplace_jax.ops.gla.recurrent import recurrent_gla
+from laplace_jax.ops.gla.step import gla_step
+
+__all__ = ["KERNELS", "chunk_gla", "gla_step", "kernel_for", "naive_gla", "recurrent_gla"]

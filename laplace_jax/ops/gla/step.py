@@ -1,0 +1,23 @@
+"""One GLA token for decode: ``gla_step`` updates the fp32 state and reads the output from it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def gla_step(
+    q: Array, k: Array, v: Array, g: Array, state: Array, *, scale: float | None = None
+) -> tuple[Array, Array]:
+    """One token. q, k, g: [B, H, K]; v: [B, H, V]; state: [B, H, K, V] fp32 -> (o [B, H, V], state)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    f32 = jnp.float32
+    state = jnp.exp(g.astype(f32))[..., None] * state.astype(f32) + (
+        k.astype(f32)[..., :, None] * v.astype(f32)[..., None, :]
+    )
+    # a product and a reduction over K, not a dot: it fuses with the update above, so the state is
+    # read and written once in whatever layout it has (no transposed copy for a GEMM)
+    o = jnp.sum((q.astype(f32) * scale)[..., :, None] * state, axis=-2)
+    return o.astype(v.dtype), state

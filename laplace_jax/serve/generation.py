@@ -1,0 +1,293 @@
+"""Generation over HTTP: a completions or chat request's sequences from sampling parameters to
+the response, whole or streamed as server-sent events.
+
+One HTTP request may hold several sequences: a list of prompts, each with ``n`` choices (or
+``best_of`` candidates ranked by cumulative logprob). Each prompt's sequences are one engine
+group: prefilled once, the state copied into a slot per sequence. Choice ``index`` is
+prompt_index * n + choice. The engine runs in its own thread; results reach asyncio through
+``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from laplace_jax.errors import InvalidParamError, QueueFullError
+from laplace_jax.serve import protocol as pr
+from laplace_jax.serve.detok import TextStream
+from laplace_jax.serve.engine import Engine
+from laplace_jax.serve.metrics import ServeMetrics
+from laplace_jax.serve.protocol import ApiError
+from laplace_jax.serve.request import Request as EngineRequest
+from laplace_jax.serve.request import SamplingParams
+
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
+DISCONNECT_POLL_S = 0.05  # how often a waiting request checks that its client is still there
+FINISH = {"shutdown": "length", "abort": "stop"}  # engine reasons -> OpenAI's finish_reason
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+    if any(not 1 <= len(x) <= MAX_STOP_CHARS for x in stops):
+        raise ApiError(400, f"each stop string must have 1 to {MAX_STOP_CHARS} characters", "stop")
+    return stops
+
+
+@dataclasses.dataclass
+class _Seq:
+    """One sequence of an HTTP request, as the event loop follows it."""
+
+    req: EngineRequest
+    prompt: int  # index of its prompt
+    ordinal: int  # its place among the prompt's sequences
+    text: TextStream
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    out: str = ""
+    finish: str | None = None
+
+
+class Generation:
+    """Runs completions and chat requests on ``engine``: ``sampling`` turns a body into
+    ``SamplingParams`` (``defaults`` fill what it leaves out) and ``respond`` serves it."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, model_name: str, defaults: SamplingParams | None = None):
+        self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.defaults = defaults or SamplingParams()
+        self.metrics: ServeMetrics = engine.metrics
+
+    def sampling(self, body: pr._Common, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None):
+        d = self.defaults
+        top_k = d.top_k if body.top_k is None else body.top_k
+        try:
+            bias = {int(k): float(v) for k, v in (body.logit_bias or {}).items()}
+        except ValueError:
+            raise ApiError(400, "logit_bias keys must be token ids", "logit_bias") from None
+        return SamplingParams(
+            max_tokens=d.max_tokens if max_tokens is None else max_tokens,
+            temperature=d.temperature if body.temperature is None else body.temperature,
+            top_p=d.top_p if body.top_p is None else body.top_p,
+            top_k=0 if top_k == -1 else top_k,  # vLLM's -1 means off, like 0
+            min_p=body.min_p,
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=bias,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            return_tokens_as_token_ids=body.return_tokens_as_token_ids,
+        )
+
+    def _groups(self, prompts, sp: SamplingParams, per_prompt: int, rank: bool, emit) -> list[list[EngineRequest]]:
+        """One group of ``per_prompt`` sequences per prompt; member j samples with seed + j;
+        ``rank``: keep each sequence's cumulative logprob (best_of)."""
+        try:
+            sp.check(self.engine.vocab_size)  # before seeds are derived from it
+        except InvalidParamError as e:
+            raise ApiError(400, str(e), e.param) from e
+        groups = []
+        for p, ids in enumerate(prompts):
+            group = []
+            for j in range(per_prompt):
+                seed = None if sp.seed is None else (sp.seed + j) % (2**63)
+                i = p * per_prompt + j
+                req = EngineRequest(ids, dataclasses.replace(sp, seed=seed), lambda t, r, i=i: emit(i, t, r))
+                req.rank = rank
+                group.append(req)
+            groups.append(group)
+        return groups
+
+    def _submit(self, groups: list[list[EngineRequest]]) -> None:
+        """Queue every group or none (runs in a worker thread: checking a long prompt takes time)."""
+        done: list[EngineRequest] = []
+        try:
+            for g in groups:
+                self.engine.submit(*g)
+                done.extend(g)
+        except QueueFullError as e:
+            self.engine.cancel(*done)
+            raise ApiError(429, f"server busy: {e}", None, "rate_limit_error") from e
+        except InvalidParamError as e:
+            self.engine.cancel(*done)
+            raise ApiError(400, str(e), e.param) from e
+
+    async def _watch(self, request: Request, reqs: list[EngineRequest], queue: asyncio.Queue) -> None:
+        while not all(r.cancelled for r in reqs):
+            if await request.is_disconnected():
+                self.engine.cancel(*reqs)  # a queued request leaves the queue; a running one its slot
+                queue.put_nowait((-1, [], "gone"))
+                return
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    async def _run(
+        self, request: Request, prompts, sp: SamplingParams, per_prompt: int, stops, include_stop, rank=False
+    ):
+        """Async iterator of (sequence, text delta, new token ids) as sequences advance; a
+        sequence's ``finish`` is set on its last item. Raises ``ApiError`` (400/429 before the
+        first item; 500 if the engine ends a sequence with an error). Returns early when the
+        client went away."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(i: int, tokens: list[int], reason: str | None) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (i, tokens, reason))
+
+        groups = self._groups(prompts, sp, per_prompt, rank, emit)
+        seqs = [
+            _Seq(r, p, j, TextStream(self.tok, stops, r.prompt_ids))
+            for p, g in enumerate(groups)
+            for j, r in enumerate(g)
+        ]
+        await asyncio.to_thread(self._submit, groups)
+        reqs = [s.req for s in seqs]
+        watcher = asyncio.create_task(self._watch(request, reqs, queue))
+        left = len(seqs)
+        try:
+            while left:
+                i, tokens, reason = await queue.get()
+                if reason == "gone":
+                    return
+                s = seqs[i]
+                if s.finish is not None:
+                    continue
+                if reason == "error":
+                    raise ApiError(500, s.req.error or "the request failed", None, "server_error")
+                s.tokens += tokens
+                delta, hit = s.text.push(tokens)
+                if reason is not None and not hit:
+                    rest, hit = s.text.finish()
+                    delta += rest
+                if hit:
+                    self.engine.cancel(s.req)  # a stop string: the engine frees the slot next call
+                    delta += s.text.matcher.matched if include_stop else ""
+                    reason = "stop"
+                if reason is not None:
+                    s.finish = FINISH.get(reason, reason)
+                    self.metrics.on_finish(s.req, s.finish, len(s.tokens))
+                    left -= 1
+                s.out += delta
+                if delta or tokens or reason:
+                    yield s, delta, tokens
+        finally:
+            self.engine.cancel(*reqs)  # client gone or request over: the engine frees the slots next call
+            watcher.cancel()
+
+    def _usage(self, prompts: list[list[int]], seqs: list[_Seq]) -> dict:
+        p, c = sum(len(x) for x in prompts), sum(len(s.tokens) for s in seqs)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def _choice(self, s: _Seq, index: int, chat: bool, echo: bool, logprobs: int | None) -> dict:
+        r = s.req
+        gen, as_ids = r.logprobs[: len(s.tokens)], r.sampling.return_tokens_as_token_ids
+        if chat:
+            lp = pr.chat_logprobs(self.tok, s.tokens, gen, as_ids) if logprobs is not None else None
+            message = {"role": "assistant", "content": s.out}
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": s.finish}
+        prefix = self.tok.decode(r.prompt_ids) if echo else ""
+        lp = None
+        if logprobs is not None:
+            ids, entries = s.tokens, gen
+            if echo:
+                ids, entries = r.prompt_ids + s.tokens, r.prompt_logprobs + gen
+            lp = pr.completion_logprobs(self.tok, ids, entries, 0 if echo else len(prefix), as_ids)
+        return {"index": index, "text": prefix + s.out, "logprobs": lp, "finish_reason": s.finish}
+
+    async def _complete(self, request, prompts, sp, n, best_of, stops, include_stop, chat, echo):
+        """A whole (non-streamed) response; with best_of > n, each prompt's n likeliest sequences."""
+        seqs: dict[int, _Seq] = {}
+        async for s, _, _ in self._run(request, prompts, sp, best_of, stops, include_stop, best_of > n):
+            seqs[id(s)] = s
+        ordered = sorted(seqs.values(), key=lambda s: s.prompt)
+        if len(ordered) < len(prompts) * best_of or any(s.finish is None for s in ordered):
+            return JSONResponse({}, status_code=499)  # the client left: nobody reads this
+        choices = []
+        for p in range(len(prompts)):
+            mine = [s for s in ordered if s.prompt == p]
+            if best_of > n:
+                mine = sorted(mine, key=lambda s: -s.req.cumulative_logprob)[:n]
+            choices += [self._choice(s, p * n + j, chat, echo, sp.logprobs) for j, s in enumerate(mine)]
+        kind = "chat.completion" if chat else "text_completion"
+        return JSONResponse({**self._head(kind), "choices": choices, "usage": self._usage(prompts, ordered)})
+
+    def _head(self, kind: str) -> dict:
+        rid = ("chatcmpl-" if kind.startswith("chat") else "cmpl-") + uuid.uuid4().hex[:24]
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
+
+    async def _stream(self, request, prompts, sp, n, stops, include_stop, chat, echo, include_usage):
+        """Server-sent events: a chunk per step and sequence (index = prompt * n + choice)."""
+        head = self._head("chat.completion.chunk" if chat else "text_completion")
+        run = self._run(request, prompts, sp, n, stops, include_stop)
+        try:
+            first = await anext(run)  # raises ApiError (400/429/500) before any response is sent
+        except StopAsyncIteration:  # the client left before the first token
+            return JSONResponse({}, status_code=499)
+        seqs: dict[int, _Seq] = {}
+
+        def chunk(s: _Seq, delta: str, tokens: list[int]) -> str:
+            seqs[id(s)] = s
+            started = len(s.tokens) - len(tokens)
+            entries = s.req.logprobs[started : len(s.tokens)]
+            if chat:
+                d = {"content": delta} | ({"role": "assistant"} if started == 0 else {})
+                as_ids = sp.return_tokens_as_token_ids
+                lp = pr.chat_logprobs(self.tok, tokens, entries, as_ids) if sp.logprobs is not None else None
+                choice = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": s.finish}
+            else:
+                if echo and started == 0:
+                    delta = self.tok.decode(s.req.prompt_ids) + delta
+                lp = None
+                if sp.logprobs is not None:
+                    lp = pr.completion_logprobs(self.tok, tokens, entries, len(s.out), sp.return_tokens_as_token_ids)
+                choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": s.finish}
+            choice["index"] = s.prompt * n + s.ordinal
+            return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+
+        async def events():
+            yield chunk(*first)
+            try:
+                async for item in run:
+                    yield chunk(*item)
+            except ApiError as e:  # the response has started: report the failure in the stream
+                self.metrics.errors.labels(e.type).inc()
+                yield f"data: {json.dumps(pr.envelope(e.status, e.message, e.param, e.type))}\n\n"
+            else:
+                if include_usage:
+                    usage = self._usage(prompts, list(seqs.values()))
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        async def guarded():
+            try:
+                async for e in events():
+                    yield e
+            finally:
+                await run.aclose()
+
+        return StreamingResponse(guarded(), media_type="text/event-stream")
+
+    async def respond(self, request, body, prompts, sp: SamplingParams, best_of: int, chat: bool, echo: bool):
+        slots = self.engine.slots_per_device
+        if not 1 <= body.n <= best_of <= slots:
+            param = "best_of" if getattr(body, "best_of", None) is not None and 1 <= body.n <= best_of else "n"
+            raise ApiError(
+                400, f"need 1 <= n <= best_of <= {slots} (slots per device); got n={body.n}, best_of={best_of}", param
+            )
+        stops = _stop_strings(body.stop) + ([pr.CHAT_STOP] if chat else [])
+        include = body.include_stop_str_in_output
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await self._stream(request, prompts, sp, body.n, stops, include, chat, echo, usage)
+        return await self._complete(request, prompts, sp, body.n, best_of, stops, include, chat, echo)

@@ -1,0 +1,42 @@
+"""What a train step costs: its model FLOPs per token and its per-device memory from XLA's
+compiled ``memory_analysis()``; the trainer's fit check, ``--plan`` and ``benchmarks/bench_train``
+all read them here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from laplace_jax.config import ModelConfig
+from laplace_jax.errors import UserError
+
+
+def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
+    """Training FLOPs per token: 6 x (matmul parameters) + 3 x the GLA chunk-form FLOPs."""
+    matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)  # lookup is free
+    C, K, V = cfg.chunk_size, cfg.head_k_dim, cfg.head_v_dim
+    gla = cfg.n_layers * cfg.n_heads * (4 * K * V + 2 * C * (K + V))
+    return 6.0 * matmul_params + 3.0 * gla
+
+
+def memory_report(compiled: Any) -> dict[str, int]:
+    """Per-device bytes of a compiled step: arguments, outputs, temporaries, aliased, total needed."""
+    m = compiled.memory_analysis()
+    need = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    return {
+        "arguments": int(m.argument_size_in_bytes),
+        "outputs": int(m.output_size_in_bytes),
+        "temporaries": int(m.temp_size_in_bytes),
+        "aliased": int(m.alias_size_in_bytes),
+        "total": int(need),
+    }
+
+
+def check_fit(mem: dict[str, int], available: int, n_devices: int) -> None:
+    """Raise a UserError with advice when the step needs more than 95% of a device's memory."""
+    if mem["total"] > 0.95 * available:
+        raise UserError(
+            f"the train step needs {mem['total'] / 2**30:.1f} GiB per device (arguments "
+            f"{mem['arguments'] / 2**30:.1f}, temporaries {mem['temporaries'] / 2**30:.1f}) but a device has "
+            f"{available / 2**30:.1f} GiB ({n_devices} devices). Use more devices (mesh.fsdp), a smaller "
+            "data.global_batch with train.grad_accum, model.remat=full (or save_gla), or inspect with --plan"
+        )
