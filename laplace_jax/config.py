@@ -68,7 +68,7 @@ def _coerce(where: str, value: Any, hint: Any) -> Any:
     }.get(hint)
     if ok is None and typing.get_origin(hint) is tuple:
         ok = isinstance(value, (list, tuple))
-        value = tuple(tuple(v) if isinstance(v, list) else v for v in value) if ok else value
+        value = tuple(value) if ok else value
     if not ok:
         raise ConfigError(f"{where} must be {_describe(declared)}; got {value!r} ({type(value).__name__})")
     return float(value) if hint is float else value

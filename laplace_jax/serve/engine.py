@@ -35,6 +35,8 @@ from laplace_jax.errors import InvalidParamError
 from laplace_jax.platform import prng_impl
 from laplace_jax.serve import settings
 from laplace_jax.serve.compiles import CompileCounter
+from laplace_jax.serve.prefix_cache import PrefixCache
+from laplace_jax.serve.programs import DevicePrograms
 from laplace_jax.serve.request import Completion, Request, SamplingParams, check_prompt
 from laplace_jax.serve.scheduler import Scheduler, make_buckets
 
@@ -91,9 +93,6 @@ class Engine:
             prefix_block=prefix_block,
             metrics=metrics,
         )
-        self.programs, self.prefix = self.scheduler.programs, self.scheduler.prefix
-        self.buckets = self.scheduler.buckets
-        self.state_bytes = self.programs.state_bytes
         self.ready = False
         self.dead: str | None = None
         self.restarts = 0
@@ -105,6 +104,23 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
+
+    @property
+    def programs(self) -> DevicePrograms:
+        return self.scheduler.programs
+
+    @property
+    def prefix(self) -> PrefixCache | None:
+        return self.scheduler.prefix
+
+    @property
+    def buckets(self) -> list[int] | None:
+        return self.scheduler.buckets
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's state (what a slot or a prefix-cache entry holds)."""
+        return self.scheduler.programs.state_bytes
 
     def status(self) -> tuple[str, str]:
         """("ready" | "warming" | "restarting" | "dead", a sentence saying why)."""

@@ -203,10 +203,9 @@ def stop_ids(sp: SamplingParams, eos_id: int) -> list[int]:
 
 
 def row_params(req: Request, vocab_size: int, eos_id: int, seed: int, impl: str) -> dict[str, np.ndarray]:
-    """The device's per-slot sampling inputs for ``req`` (``seed`` when it gave none; key data for
-    PRNG ``impl``): scalars, and [vocab_size] bias, seen-token and stop masks."""
+    """The device's per-slot sampling inputs for ``req`` (its key from ``seed`` for PRNG ``impl``):
+    scalars, and [vocab_size] bias, seen-token and stop masks."""
     sp, V = req.sampling, vocab_size
-    seed = sp.seed if sp.seed is not None else seed
     bias = np.zeros((V,), np.float32)
     if sp.logit_bias:
         bias[list(sp.logit_bias)] = list(sp.logit_bias.values())

@@ -175,7 +175,9 @@ class Scheduler:
         """Copy the prefilled state into a new slot per device for ``members``; emit first tokens."""
         where = {}
         for d, r in members.items():
-            seed = int(self._seeds.integers(0, MAX_SEED, endpoint=True))
+            seed = r.sampling.seed
+            if seed is None:
+                seed = int(self._seeds.integers(0, MAX_SEED, endpoint=True))
             where[d] = (len(self.slots.rows[d]), row_params(r, self.cfg.vocab_size, self.eos_id, seed, self.prng_impl))
         first, lps = self.programs.insert(state, logits, where)  # failures go to the engine's recovery
         lp, top_ids, top_lp = read_if(lps, members.values())
