@@ -27,6 +27,14 @@ from laplace_jax.errors import ConfigError
 from laplace_jax.platform import PEAK_BF16_TFLOPS, PRNG_IMPLS
 
 SUB_BLOCK = 16  # rows of the GLA kernels' exact-decay sub-blocks (the smallest side a Triton dot takes)
+
+
+def pallas_chunk_ok(chunk_size: int) -> bool:
+    """Whether the Pallas GLA kernel takes this chunk size: a power of two >= 16 (Triton blocks
+    must have power-of-two sizes, and a chunk is a whole number of 16-row sub-blocks)."""
+    return chunk_size >= SUB_BLOCK and chunk_size & (chunk_size - 1) == 0
+
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTN_IMPLS = ("chunk", "pallas", "recurrent", "auto")
 # model.remat -> the jax.checkpoint policy of each layer: what it keeps for its backward (the rest
@@ -184,10 +192,10 @@ class ModelConfig(Block):
     def check(self) -> None:
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "gate_low_rank_dim", "chunk_size")
         _positive(self, "model", positive)
-        if self.attn_impl in ("pallas", "auto") and self.chunk_size % SUB_BLOCK:
+        if self.attn_impl in ("pallas", "auto") and not pallas_chunk_ok(self.chunk_size):
             raise ConfigError(
-                f"model.attn_impl={self.attn_impl!r} needs model.chunk_size a multiple of {SUB_BLOCK}; "
-                f"got {self.chunk_size}"
+                f"model.attn_impl={self.attn_impl!r} needs model.chunk_size a power of two, at least {SUB_BLOCK} "
+                f"(the Pallas kernel's block sizes); got {self.chunk_size}"
             )
         if self.n_heads % self.kv_heads:
             raise ConfigError(

@@ -2,6 +2,7 @@
 
     python -m laplace_jax.tools.gpu_check --shape 3b --out report.json      # the 3B layer
     python -m laplace_jax.tools.gpu_check --shape small                      # seconds; what CI runs
+    python -m laplace_jax.tools.gpu_check --shape 3b --arch 90 --sweep       # + every num_warps x num_stages
 
 1. Lower the forward and the gradient of ``chunk_gla(..., kernel="pallas", interpret=False)``
    for cuda (``lower(lowering_platforms=("cuda",))``: Pallas' Triton lowering runs in Python),
@@ -13,7 +14,10 @@
    mma.sync); and compare the programs per launch with the SM count.
 
 Needs jaxlib 0.10.x (newer jaxlibs compile Triton during lowering through the CUDA plugin) and
-``pip install triton``. The report is JSON: one entry per kernel and architecture.
+``pip install triton``; where the jax here has no Python Triton lowering to capture, the check
+says so and writes ``{"skipped": reason}`` (a lowering error in the kernels is an error, not a
+skip). The report is JSON: one entry per kernel and architecture, and with ``--sweep`` the
+resources of every kernel under every launch setting (how ``LAUNCH`` was chosen).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -35,11 +40,20 @@ SHAPES = {  # B, T, H, K, V (K is padded to 128 inside the kernel for the 3B lay
 SMS = {90: 132, 80: 108}  # H100/H200, A100
 
 
+class UnsupportedError(RuntimeError):
+    """This jax cannot run the check on this machine; the message says why."""
+
+
 def capture(shape: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Lower forward and gradient for cuda; each Triton module's text, grid and launch options."""
+    """Lower forward and gradient for cuda; each Triton module's text, grid and launch options.
+    Raises ``UnsupportedError`` where this jaxlib does not run Pallas' Triton lowering in Python."""
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import lowering
+
+    try:
+        from jax._src.pallas.triton import lowering
+    except ImportError as e:
+        raise UnsupportedError(f"jax {jax.__version__} has no Pallas Triton lowering module ({e})") from e
 
     from laplace_jax.ops.gla import chunk_gla
 
@@ -73,9 +87,11 @@ def capture(shape: tuple[int, ...]) -> list[dict[str, Any]]:
                 m["pass"] = label
     finally:
         lowering.lower_jaxpr_to_triton_module = original
+    if not modules:
+        raise UnsupportedError(f"jax {jax.__version__} lowered without the Python Triton lowering: nothing to read")
     from laplace_jax.ops.gla.pallas import LAUNCH
 
-    return [{**m, **LAUNCH} for m in modules]
+    return [{**m, **LAUNCH[m["name"]]} for m in modules]
 
 
 COMPILE = """
@@ -120,7 +136,7 @@ def resources(module: dict[str, Any], arch: int, workdir: str) -> dict[str, Any]
         capture_output=True, text=True, check=True,
     ).stderr  # fmt: skip
     number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, report)) else 0  # noqa: E731
-    programs = module["grid"][0] * module["grid"][1] * module["grid"][2]
+    programs = math.prod(module["grid"])
     return {
         "kernel": module["name"],
         "pass": module["pass"],
@@ -150,13 +166,51 @@ def report(shape_name: str, arches: list[int]) -> dict[str, Any]:
     }
 
 
+SWEEP = {"num_warps": (4, 8), "num_stages": (1, 2, 3)}  # the launch options --sweep compiles every kernel with
+SWEEP_FIELDS = ("kernel", "arch", "num_warps", "num_stages", "registers", "spill_store_bytes", "shared_bytes")
+
+
+def sweep(shape_name: str, arch: int) -> list[dict[str, Any]]:
+    """Every kernel (once each) compiled under every ``SWEEP`` setting: the resources each gets, to
+    choose ``ops.gla.pallas.LAUNCH`` from (no spills, then the fewest registers)."""
+    from laplace_jax.ops.gla.pallas import LAUNCH
+
+    modules = list({m["name"]: m for m in reversed(capture(SHAPES[shape_name]))}.values())[::-1]
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for m in modules:
+            for warps in SWEEP["num_warps"]:
+                for stages in SWEEP["num_stages"]:
+                    r = resources({**m, "num_warps": warps, "num_stages": stages}, arch, workdir)
+                    chosen = LAUNCH[m["name"]] == {"num_warps": warps, "num_stages": stages}
+                    rows.append({k: r[k] for k in SWEEP_FIELDS} | {"chosen": chosen})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m laplace_jax.tools.gpu_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
     ap.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(SMS))
     ap.add_argument("--out", default=None, help="write the JSON report here")
+    ap.add_argument("--sweep", action="store_true", help="also compile every kernel under every num_warps x num_stages")
     a = ap.parse_args(argv)
-    rep = report(a.shape, a.arch)
+    try:
+        rep = report(a.shape, a.arch)
+    except UnsupportedError as e:
+        print(f"static GPU check skipped: {e}")
+        rep = {"shape": a.shape, "skipped": str(e)}
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(rep, f, indent=2)
+        return 0
+    if a.sweep:
+        rep["sweep"] = sweep(a.shape, a.arch[0])
+        for r in rep["sweep"]:
+            print(
+                f"sweep {r['kernel']:<12} {r['arch']} warps {r['num_warps']} stages {r['num_stages']}: "
+                f"{r['registers']} regs, spills {r['spill_store_bytes']} B, smem {r['shared_bytes'] / 1024:.0f} KiB"
+                + ("  <- LAUNCH" if r["chosen"] else "")
+            )
     for k in rep["kernels"]:
         print(
             f"{k['pass']:>8} {k['kernel'][:40]:<40} {k['arch']}: {k['registers']} regs, "

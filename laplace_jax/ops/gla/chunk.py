@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from laplace_jax.config import SUB_BLOCK
+from laplace_jax.config import SUB_BLOCK, pallas_chunk_ok
 from laplace_jax.ops.gla.inputs import check_inputs
 from laplace_jax.ops.gla.pallas import pallas_gla, pallas_interpret
 
@@ -328,7 +328,8 @@ def chunk_gla(
     """Chunkwise-parallel GLA. Returns (o [B, T, H, V], final_state [B, H, K, V] fp32).
 
     Any T >= 1: the tail is padded with state-neutral positions (q = k = v = 0, g = 0).
-    ``chunk_size`` must be a multiple of 16 (or, for the XLA kernel, one of 1, 2, 4, 8).
+    ``chunk_size``: for the XLA kernel a multiple of 16 or one of 1, 2, 4, 8; for the Pallas kernel a
+    power of two >= 16.
     ``kernel``: "xla" (the kernel above: lax.scan, any backend) or "pallas" (``ops/gla/pallas.py``: a
     Triton-lowered GPU kernel). ``interpret`` runs the Pallas kernel in the Pallas interpreter;
     None means "on CPU only". Both kernels have the same numerics contract and gradients.
@@ -336,7 +337,9 @@ def chunk_gla(
     check_inputs(q, k, v, g, initial_state)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
-    if chunk_size <= 0 or (chunk_size % SUB_BLOCK and (kernel == "pallas" or SUB_BLOCK % chunk_size)):
+    if kernel == "pallas" and not pallas_chunk_ok(chunk_size):
+        raise ValueError(f"the Pallas kernel needs chunk_size a power of two, at least {SUB_BLOCK}; got {chunk_size}")
+    if chunk_size <= 0 or (chunk_size % SUB_BLOCK and SUB_BLOCK % chunk_size):
         raise ValueError(
             f"chunk_size must be a positive multiple of {SUB_BLOCK} (the XLA kernel also takes 1, 2, 4, 8); "
             f"got {chunk_size}"

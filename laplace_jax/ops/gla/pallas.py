@@ -9,395 +9,408 @@ Why Triton and not Mosaic GPU: the Mosaic GPU lowering in jax 0.10 has no ``dot_
 has 2-D dots with M, N, K >= 16 and fp32 (``HIGHEST``) dots. It is deprecated from jax 0.11,
 not removed (BENCHMARKS.md, "Pallas kernel: status").
 
-Grid: one program per (batch, head, value tile of ``block_v`` columns). Each program walks the
-sequence chunk by chunk with the fp32 state tile [K, block_v] carried in registers (a recurrence
-cannot be a GPU grid axis: grid points run in parallel). Per chunk of C tokens it works on
-16-token sub-blocks, so every dot is 2-D with all sides >= 16 and every block a power of two
-(K and V are zero-padded to powers of two outside the kernel; a zero key column and a zero gate
-leave the recurrence unchanged).
+Work split (as flash-linear-attention's chunk_gla): only the chunk-boundary states are a
+sequential pass; everything inside a chunk runs in parallel over chunks.
 
-Exactness, as in the XLA kernel: every decay factor is exp of a *direct* sum of log-decays
-(each <= 0). Inside a sub-block the sums are dots with 0/1 triangular masks (fp32, HIGHEST):
-``head`` (block start .. r, inclusive) and ``tail`` (r exclusive .. block end); between
-sub-blocks they are running sums of whole-block totals carried by the loops (``prefix``,
-``gap``, ``suffix``); the diagonal sub-blocks take, per key column s, the pairwise sum over
-s < t <= r as one masked dot. Nothing is a difference of cumulative sums.
+- ``gla_states`` (grid batch*head x key tiles x value tiles): walks the chunks, writes each
+  chunk's start state S_c [K, V] fp32 and the final state. A state tile is [BK, BV] fp32 in
+  registers; the decay is diagonal in K, so key tiles are independent.
+- ``gla_out`` (grid chunks x batch*head): o = s (q e^{b}) S_c + tril(A) v per 16-row sub-block,
+  the scores A recomputed from q, k and the decays; all value tiles in one program, so each
+  sub-block's scores are built once.
+- backward: ``gla_dstates`` (the reverse state pass: dH_c, the gradient on the state at the end
+  of chunk c, and d initial state), then ``gla_dqkg`` (grid chunks x batch*head x key tiles:
+  dq, dk and the gate gradient, which are per key column) and ``gla_dv`` (grid chunks x
+  batch*head).
 
-Backward (``jax.custom_vjp``): the forward saves the chunk-start states [B, H, N, K, V] fp32
-(tagged ``gla_states`` for ``model.remat="save_gla"``) and the inputs; the scores are
-recomputed. One backward program per (batch, head, value tile) walks the chunks in reverse
-with dS (the gradient on the chunk-end state) in registers and writes dv, dS0, and its value
-tile's share of dq, dk and dg (summed over tiles outside the kernel).
+Decays: per 16-row sub-block, the in-sub-block sums ``head`` (start .. r) and ``tail``
+(r exclusive .. end) and the chunk-level ``b_in`` (chunk start .. r) and ``b_out`` (r exclusive
+.. chunk end) are computed once by XLA as sums of whole sub-blocks and in-sub-block sums (all
+terms <= 0: nothing cancels). In the kernels a query row r of sub-block i and a key row s of an
+earlier sub-block j meet through e^{head_r} e^{tail_s + gap}, gap the sum of the whole
+sub-blocks strictly between (a running sum in the loop); pairs inside one sub-block take the
+pairwise sum over s < t <= r. Nothing is a difference of cumulative sums.
 
-The gate gradient is built from pair sums, with no difference of large terms (the same
-derivation as ``gla_chunk``): a pair (r, s), s < r, adds P[r, s] = dA[r, s] s q_r k_s e^{b_r - b_s}
-to every g_t with s < t <= r. Inside a sub-block the kernel writes the reverse sums over r of
-q * dq (pairs whose key lies before the sub-block) and the forward sums over s of k * dk (pairs
-whose query lies after it), both as 0/1 triangular dots; the diagonal pairs reach t through one
-masked reverse sum per key row. What reaches a whole sub-block at once (a sub-block pair that
-straddles it, a query after the chunk start's state, a key whose state reaches a later chunk,
-and the chunk's own decay e^{b_C} rowsum(S * dS)) goes to a per-(chunk, sub-block) row, added
-to the sub-block's 16 rows outside the kernel.
+Dots: operands in the input dtype with fp32 accumulation (bf16 -> tensor cores) for every
+product of inputs, decayed inputs, scores, score gradients and states; fp32 at ``HIGHEST``
+(IEEE, CUDA cores) only for 0/1 triangular matrices that sum log-decays or gate-gradient terms
+inside a sub-block (Triton has no reverse cumsum, and a bf16 sum would round the terms).
+
+The gate gradient is built from pair sums (the same derivation as ``chunk.py``): a pair
+(r, s), s < r, adds P[r, s] = dA[r, s] s q_r k_s e^{b_r - b_s} to every g_t with s < t <= r.
+``gla_dqkg`` writes, per row, the reverse sums over its sub-block of q * dq (keys before the
+sub-block) and the exclusive forward sums of k * dk (queries after it) plus the diagonal pairs;
+what reaches a whole sub-block at once (a sub-block pair straddling it, a query whose key lies
+before the chunk, a key whose query lies after it, and e^{b_C} rowsum(S_c * dH_c) for pairs
+straddling the chunk) goes to one row per (chunk, sub-block), added to its 16 rows by XLA.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from laplace_jax.config import SUB_BLOCK
+from laplace_jax.config import pallas_chunk_ok
+from laplace_jax.ops.gla import pallas_blocks as blk
+from laplace_jax.ops.gla.pallas_blocks import SUB, Tiling, f32, key_tiles, last_row, load, mm, value_tiles
 from laplace_jax.platform import on_gpu
 
 Array = jax.Array
 
-SUB = SUB_BLOCK  # sub-block rows: the smallest side a Triton dot accepts
-f32 = jnp.float32
-HIGHEST = jax.lax.Precision.HIGHEST
+# Triton launch options per kernel (tools.gpu_check reads them), chosen from the static report
+LAUNCH = {  # from the sweep in BENCHMARKS.md ("python -m laplace_jax.tools.gpu_check --shape 3b --sweep"):
+    "gla_states": {"num_warps": 8, "num_stages": 2},  # the fewest registers of any setting without spills
+    "gla_scores": {"num_warps": 4, "num_stages": 2},
+    "gla_out": {"num_warps": 4, "num_stages": 2},
+    "gla_dstates": {"num_warps": 8, "num_stages": 2},
+    "gla_dscores": {"num_warps": 4, "num_stages": 2},
+    "gla_dqkg": {"num_warps": 8, "num_stages": 1},  # 4 warps spill at 2 and 3 stages, sit at 255 registers at 1
+    "gla_dv": {"num_warps": 4, "num_stages": 2},
+}
 
 
 def _next_pow2(n: int, least: int = SUB) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
-def _mm(a: Array, b: Array, contract: tuple[int, int] = (1, 0), dtype=f32) -> Array:
-    """2-D dot with fp32 accumulation; operands cast to ``dtype`` (fp32 runs at HIGHEST: IEEE, no TF32)."""
-    precision = HIGHEST if dtype == f32 else None
-    dims = (((contract[0],), (contract[1],)), ((), ()))
-    return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), dims, precision=precision, preferred_element_type=f32)
+class Decays(NamedTuple):
+    """Direct sums of log-decays, each [B, T, H, K] fp32 (see the module docstring)."""
+
+    head: Array
+    tail: Array
+    b_in: Array
+    b_out: Array
 
 
-def _iota(axis: int) -> Array:
-    return jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), axis)
+def _excl_sum(x: Array, axis: int, reverse: bool = False) -> Array:
+    """Sum of the terms strictly before (after, with ``reverse``) each position along ``axis``:
+    a cumulative sum shifted by one, so a direct sum (no difference)."""
+    if reverse:
+        return jnp.flip(_excl_sum(jnp.flip(x, axis), axis), axis)
+    c = jnp.cumsum(x, axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (1, 0)
+    return jax.lax.slice_in_dim(jnp.pad(c, pad), 0, x.shape[axis], axis=axis)
 
 
-def _head_tail(g: Array) -> tuple[Array, Array]:
-    """e^{sum_{start <= t <= r} g_t} and e^{sum_{r < t <= end} g_t} of one sub-block g [16, K]."""
-    r, t = _iota(0), _iota(1)
-    head = jnp.exp(_mm(jnp.where(t <= r, 1.0, 0.0), g))
-    tail = jnp.exp(_mm(jnp.where(t > r, 1.0, 0.0), g))
-    return head, tail
+def decay_sums(g: Array, C: int) -> Decays:
+    """The four decay sums of g [B, T, H, K] (T a multiple of C), from in-sub-block cumulative sums
+    and sums of whole sub-blocks: every one a sum of terms <= 0."""
+    B, T, H, K = g.shape
+    gs = g.astype(f32).reshape(B, T // C, C // SUB, SUB, H, K)
+    head = jnp.cumsum(gs, axis=3)
+    tail = _excl_sum(gs, 3, reverse=True)
+    whole = jnp.sum(gs, axis=3, keepdims=True)  # [B, N, n, 1, H, K]
+    before, after = _excl_sum(whole, 2), _excl_sum(whole, 2, reverse=True)
+    return Decays(*(x.reshape(B, T, H, K) for x in (head, tail, head + before, tail + after)))
 
 
-def _pair_decay(g: Array, s) -> Array:
-    """e^{sum_{s < t <= r} g_t} for key row s and every query row r of one sub-block [16, K]."""
-    r, t = _iota(0), _iota(1)
-    return jnp.exp(_mm(jnp.where((t > s) & (t <= r), 1.0, 0.0), g))
+def _states_kernel(k_ref, v_ref, bout_ref, bin_ref, s0_ref, st_ref, sT_ref, *, t: Tiling):
+    """One (batch*head, key tile, value tile): k, b_out, b_in [T, BK], v [T, BV], s0 [BK, BV] ->
+    chunk-start states [N, BK, BV] and the final state [BK, BV], fp32."""
+    C = t.C
+
+    def chunk(c, S):
+        st_ref[c] = S
+        r0 = c * C
+        kd = load(k_ref, r0, rows=C) * jnp.exp(load(bout_ref, r0, rows=C))  # decayed to the chunk end
+        b_C = load(bin_ref, r0 + C - 1, rows=1)  # [1, BK]: the chunk's whole log-decay
+        return jnp.exp(b_C).T * S + mm(kd, v_ref[pl.ds(r0, C), :], (0, 0), t.dtype)
+
+    sT_ref[...] = jax.lax.fori_loop(0, k_ref.shape[0] // C, chunk, s0_ref[...].astype(f32))
 
 
-def _row(x: Array, s) -> Array:
-    """Row s of a [16, D] block as [1, D] (a masked sum: no dynamic register indexing)."""
-    rows = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    return jnp.sum(jnp.where(rows == s, x, 0.0), axis=0, keepdims=True)
+def _dstates_kernel(q_ref, do_ref, bin_ref, dsT_ref, dst_ref, ds0_ref, *, t: Tiling):
+    """The reverse state pass of one (batch*head, key tile, value tile): dH_c [N, BK, BV] (the
+    gradient on the state at the end of chunk c) and d initial state [BK, BV], fp32."""
+    C, N = t.C, q_ref.shape[0] // t.C
+
+    def chunk(cc, dH):
+        c = N - 1 - cc
+        dst_ref[c] = dH
+        r0 = c * C
+        qb = load(q_ref, r0, rows=C) * (t.scale * jnp.exp(load(bin_ref, r0, rows=C)))
+        b_C = load(bin_ref, r0 + C - 1, rows=1)
+        return jnp.exp(b_C).T * dH + mm(qb, do_ref[pl.ds(r0, C), :], (0, 0), t.dtype)
+
+    ds0_ref[...] = jax.lax.fori_loop(0, N, chunk, dsT_ref[...].astype(f32))
 
 
-def _col(x: Array, s) -> Array:
-    """Column s of a [16, 16] block as [16, 1]."""
-    return jnp.sum(jnp.where(_iota(1) == s, x, 0.0), axis=1, keepdims=True)
+def _scores_kernel(q_ref, k_ref, g_ref, head_ref, tail_ref, a_ref, *, t: Tiling):
+    """One (chunk, batch*head, query sub-block i): q, k, g and decays [C, K] -> row panel i of the
+    causal scores, a [16, C] (zero right of the diagonal)."""
+    i = pl.program_id(2)
+    r0 = i * SUB
+    q = key_tiles(q_ref, r0, t)
+    qh = [a * jnp.exp(b) for a, b in zip(q, key_tiles(head_ref, r0, t), strict=True)]
+
+    def blank(j, carry):
+        a_ref[:, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), a_ref.dtype)
+        return carry
+
+    def earlier(jj, gap):  # key sub-block j = i-1-jj; gap: the whole sub-blocks between j and i
+        j0 = (i - 1 - jj) * SUB
+        k, tail = key_tiles(k_ref, j0, t), key_tiles(tail_ref, j0, t)
+        kd = [a * jnp.exp(b + c) for a, b, c in zip(k, tail, gap, strict=True)]
+        a_ref[:, pl.ds(j0, SUB)] = blk.off_scores(qh, kd, t).astype(a_ref.dtype)
+        return [a + b for a, b in zip(gap, last_row(head_ref, j0, t), strict=True)]
+
+    jax.lax.fori_loop(i + 1, t.n, blank, 0)
+    jax.lax.fori_loop(0, i, earlier, [jnp.zeros((1, t.BK), f32)] * t.nk)
+    A = blk.diag_scores(q, key_tiles(k_ref, r0, t), key_tiles(g_ref, r0, t), t)
+    a_ref[:, pl.ds(r0, SUB)] = A.astype(a_ref.dtype)
 
 
-def _diag_scores(q: Array, k: Array, g: Array, scale: float) -> Array:
-    """Causal scores of one sub-block against itself [16, 16] fp32 (zero above the diagonal)."""
-
-    def column(s, A):
-        col = jnp.sum(q * _row(k, s) * _pair_decay(g, s), axis=1, keepdims=True)
-        return jnp.where((_iota(1) == s) & (_iota(0) >= s), col, A)
-
-    return scale * jax.lax.fori_loop(0, SUB, column, jnp.zeros((SUB, SUB), f32))
-
-
-def _load(ref, start) -> Array:
-    """Rows start .. start + 16 of a [T, D] ref, as fp32."""
-    return ref[pl.ds(start, SUB), :].astype(f32)
+def _dscores_kernel(do_ref, v_ref, da_ref, *, t: Tiling):
+    """One (chunk, batch*head, query sub-block i): do, v [C, V] -> row panel i of the score
+    gradient tril(do v^T), da [16, C] fp32."""
+    i = pl.program_id(2)
+    r0 = i * SUB
+    dA = sum(
+        mm(a, v_ref[:, pl.ds(vt * t.BV, t.BV)], (1, 1), t.dtype) for vt, a in enumerate(value_tiles(do_ref, r0, t))
+    )
+    cols = jax.lax.broadcasted_iota(jnp.int32, dA.shape, 1)
+    rows = jax.lax.broadcasted_iota(jnp.int32, dA.shape, 0) + r0
+    da_ref[...] = jnp.where(cols <= rows, dA, 0.0)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, s0_ref, o_ref, sT_ref, st_ref, *, scale, C, dtype):
-    """One (batch, head, value tile): q, k, g [T, K], v [T, BV], s0 [K, BV] -> o, final and chunk-start states."""
-    n_chunks, n = q_ref.shape[0] // C, C // SUB
-    K = q_ref.shape[1]
+def _out_kernel(q_ref, bin_ref, v_ref, st_ref, a_ref, o_ref, *, t: Tiling):
+    """One (chunk, batch*head, value tile): q, b_in [C, K], v [C, BV], S_c [K, BV], scores [C, C]
+    -> o = s (q e^{b_in}) S_c + A v [C, BV], in blocks of R rows."""
+    R = t.R
 
-    def chunk(ci, S):
-        st_ref[ci] = S
-        base = ci * C
+    def rows(rb, carry):
+        r0 = rb * R
+        q, b_in = key_tiles(q_ref, r0, t, rows=R), key_tiles(bin_ref, r0, t, rows=R)
+        o = sum(
+            mm(a * (t.scale * jnp.exp(b)), st_ref[pl.ds(kt * t.BK, t.BK), :], dtype=t.dtype)
+            for kt, (a, b) in enumerate(zip(q, b_in, strict=True))
+        )
 
-        def rows(i, prefix):  # prefix: sum of the whole sub-blocks before i [1, K]
-            r0 = base + i * SUB
-            q_i, k_i, v_i, g_i = (_load(x, r0) for x in (q_ref, k_ref, v_ref, g_ref))
-            head, _ = _head_tail(g_i)
-            qh = q_i * head
-            o_i = _mm(qh * (scale * jnp.exp(prefix)), S, dtype=dtype)
+        def earlier(cb, o):
+            c0 = cb * R
+            return o + mm(a_ref[pl.ds(r0, R), pl.ds(c0, R)], v_ref[pl.ds(c0, R), :], dtype=t.dtype)
 
-            def earlier(jj, carry):  # key sub-block j = i-1-jj, gap: the sub-blocks strictly between
-                acc, gap = carry
-                j0 = base + (i - 1 - jj) * SUB
-                k_j, v_j, g_j = (_load(x, j0) for x in (k_ref, v_ref, g_ref))
-                _, tail = _head_tail(g_j)
-                A = scale * _mm(qh, k_j * tail * jnp.exp(gap), (1, 1))
-                return acc + _mm(A, v_j, dtype=dtype), gap + jnp.sum(g_j, axis=0, keepdims=True)
+        o = jax.lax.fori_loop(0, rb + 1, earlier, o)
+        o_ref[pl.ds(r0, R), :] = o.astype(o_ref.dtype)
+        return carry
 
-            o_i, _ = jax.lax.fori_loop(0, i, earlier, (o_i, jnp.zeros((1, K), f32)))
-            o_i = o_i + _mm(_diag_scores(q_i, k_i, g_i, scale), v_i, dtype=dtype)
-            o_ref[pl.ds(r0, SUB), :] = o_i.astype(o_ref.dtype)
-            return prefix + jnp.sum(g_i, axis=0, keepdims=True)
-
-        total = jax.lax.fori_loop(0, n, rows, jnp.zeros((1, K), f32))
-
-        def state_rows(ii, carry):  # sub-block i = n-1-ii, suffix: the sub-blocks after i
-            acc, suffix = carry
-            r0 = base + (n - 1 - ii) * SUB
-            k_i, v_i, g_i = (_load(x, r0) for x in (k_ref, v_ref, g_ref))
-            _, tail = _head_tail(g_i)
-            acc = acc + _mm(k_i * tail * jnp.exp(suffix), v_i, (0, 0), dtype)
-            return acc, suffix + jnp.sum(g_i, axis=0, keepdims=True)
-
-        acc, _ = jax.lax.fori_loop(0, n, state_rows, (jnp.zeros_like(S), jnp.zeros((1, K), f32)))
-        return jnp.exp(total).T * S + acc
-
-    sT_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, s0_ref[...].astype(f32))
+    jax.lax.fori_loop(0, t.C // R, rows, 0)
 
 
-def _ones(mask: Array) -> Array:
-    return jnp.where(mask, 1.0, 0.0)
+def _dv_kernel(k_ref, bout_ref, do_ref, ds_ref, a_ref, dv_ref, *, t: Tiling):
+    """One (chunk, batch*head, value tile): k, b_out [C, K], do [C, BV], dH_c [K, BV], scores
+    [C, C] -> dv = (k e^{b_out}) dH_c + A^T do [C, BV], in blocks of R rows."""
+    R = t.R
+
+    def cols(cb, carry):
+        c0 = cb * R
+        k, b_out = key_tiles(k_ref, c0, t, rows=R), key_tiles(bout_ref, c0, t, rows=R)
+        dv = sum(
+            mm(a * jnp.exp(b), ds_ref[pl.ds(kt * t.BK, t.BK), :], dtype=t.dtype)
+            for kt, (a, b) in enumerate(zip(k, b_out, strict=True))
+        )
+
+        def later(rb, dv):
+            r0 = rb * R
+            return dv + mm(a_ref[pl.ds(r0, R), pl.ds(c0, R)], do_ref[pl.ds(r0, R), :], (0, 0), t.dtype)
+
+        dv = jax.lax.fori_loop(cb, t.C // R, later, dv)
+        dv_ref[pl.ds(c0, R), :] = dv.astype(dv_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, t.C // R, cols, 0)
 
 
-def _rev_sum(x: Array) -> Array:
-    """sum_{r >= t} x[r] for each row t of a [16, D] block (a 0/1 dot: a direct sum)."""
-    return _mm(_ones(_iota(1) >= _iota(0)), x)
-
-
-def _excl_sum(x: Array) -> Array:
-    """sum_{s < t} x[s] for each row t of a [16, D] block."""
-    return _mm(_ones(_iota(1) < _iota(0)), x)
-
-
-def _diag_dq_dg(dA: Array, q: Array, k: Array, g: Array) -> tuple[Array, Array]:
-    """A diagonal sub-block's share of dq and dg (before ``scale``). dq row t sums dA[t, s] k[s]
-    e^{b_t - b_s} over s <= t; dg row t sums the pair terms q[r] dA[r, s] k[s] e^{b_r - b_s} over
-    s < t <= r. dA: [SUB, SUB] lower-triangular; q, k, g: [SUB, K]."""
-    rows = jax.lax.broadcasted_iota(jnp.int32, q.shape, 0)
-
-    def add(s, carry):
-        dq, dg = carry
-        part = _col(dA, s) * _row(k, s) * _pair_decay(g, s)
-        return dq + part, dg + jnp.where(rows > s, _rev_sum(q * part), 0.0)
-
-    zero = jnp.zeros(q.shape, f32)
-    return jax.lax.fori_loop(0, SUB, add, (zero, zero))
-
-
-def _diag_dk(dA: Array, q: Array, g: Array) -> Array:
-    """A diagonal sub-block's share of dk (before ``scale``): row s sums dA[t, s] q[t] e^{b_t - b_s}
-    over t >= s. dA: [SUB, SUB] lower-triangular; q, g: [SUB, K]."""
-
-    def add(s, dk):
-        row = jnp.sum(_col(dA, s) * q * _pair_decay(g, s), axis=0, keepdims=True)
-        return dk + jnp.where(jax.lax.broadcasted_iota(jnp.int32, dk.shape, 0) == s, row, 0.0)
-
-    return jax.lax.fori_loop(0, SUB, add, jnp.zeros(q.shape, f32))
-
-
-def _from_earlier(refs, base, i, do_i, qh, dgx, scale):
-    """Query sub-block i against the earlier key sub-blocks j < i of its chunk (starting at row
-    ``base``): (sum_j dA_ij (k_j e^{to start of i}) [16, K], ``dgx`` plus each pair of
-    sub-blocks' total on the whole sub-blocks strictly between them)."""
-    k_ref, v_ref, g_ref = refs
-    block_rows = jax.lax.broadcasted_iota(jnp.int32, dgx.shape, 0)
-
-    def earlier(jj, carry):
-        acc, gap, dgx = carry
-        j = i - 1 - jj
-        k_j, v_j, g_j = (_load(x, base + j * SUB) for x in (k_ref, v_ref, g_ref))
-        _, tail = _head_tail(g_j)
-        part = _mm(_mm(do_i, v_j, (1, 1)), k_j * tail * jnp.exp(gap))
-        pairs = scale * jnp.sum(qh * part, axis=0, keepdims=True)  # [1, K]: all pairs (i, j)
-        dgx = dgx + jnp.where((block_rows > j) & (block_rows < i), pairs, 0.0)
-        return acc + part, gap + jnp.sum(g_j, axis=0, keepdims=True), dgx
-
-    zero = jnp.zeros((1, qh.shape[1]), f32)
-    acc, _, dgx = jax.lax.fori_loop(0, i, earlier, (jnp.zeros(qh.shape, f32), zero, dgx))
-    return acc, dgx
-
-
-def _from_later(refs, j0, count, k_j, v_j, tail, dk, dv, scale, dtype):
-    """Key sub-block j (rows j0 ..) against the ``count`` query sub-blocks after it in its chunk:
-    dk and dv plus their shares."""
-    q_ref, g_ref, do_ref = refs
-
-    def later(ii, carry):  # query sub-block i = j+1+ii
-        dk, dv, gap = carry
-        q_i, g_i, do_i = (_load(x, j0 + (1 + ii) * SUB) for x in (q_ref, g_ref, do_ref))
-        head, _ = _head_tail(g_i)
-        qh = q_i * head
-        kt = tail * jnp.exp(gap)
-        A = scale * _mm(qh, k_j * kt, (1, 1))
-        dk = dk + scale * kt * _mm(_mm(do_i, v_j, (1, 1)), qh, (0, 0))
-        dv = dv + _mm(A, do_i, (0, 0), dtype)
-        return dk, dv, gap + jnp.sum(g_i, axis=0, keepdims=True)
-
-    dk, dv, _ = jax.lax.fori_loop(0, count, later, (dk, dv, jnp.zeros((1, k_j.shape[1]), f32)))
-    return dk, dv
-
-
-def _bwd_kernel(
-    q_ref, k_ref, v_ref, g_ref, st_ref, do_ref, dsT_ref,
-    dq_ref, dk_ref, dgq_ref, dgk_ref, dgx_ref, dv_ref, ds0_ref, *, scale, C, dtype,
+def _dqkg_kernel(
+    q_ref, k_ref, g_ref, head_ref, tail_ref, bin_ref, bout_ref, v_ref, do_ref, s_ref, ds_ref, da_ref,
+    dq_ref, dk_ref, dg_ref, dgx_ref, *, t: Tiling,
 ):  # fmt: skip
-    """One (batch, head, value tile), chunks in reverse: dv, dS0 and this tile's share of dq, dk
-    and dg (dgq: query-side sums inside each sub-block, dgk: key-side ones, dgx: one row per
-    sub-block for what reaches the whole sub-block)."""
-    n_chunks, n = q_ref.shape[0] // C, C // SUB
-    K = q_ref.shape[1]
-    block_rows = jax.lax.broadcasted_iota(jnp.int32, dgx_ref.shape[1:], 0)  # [NP, K]: sub-block index m
+    """One (chunk, batch*head, key tile): q, k, g and decays [C, BK], v, do [C, V], S_c and dH_c
+    [BK, V], the score gradient [C, C] -> dq, dk and the gate gradient's per-row part [C, BK],
+    and its per-sub-block part dgx [NP, BK] (one row per sub-block, added to the sub-block's 16
+    rows outside), fp32."""
+    one = Tiling(t.C, t.BK, 1, t.BV, t.nv, t.scale, t.dtype)  # this program's single key tile
+    m_rows = jax.lax.broadcasted_iota(jnp.int32, dgx_ref.shape, 0)  # [NP, BK]: sub-block index
+    S, dH = ([ref[:, pl.ds(vt * t.BV, t.BV)] for vt in range(t.nv)] for ref in (s_ref, ds_ref))
 
-    def chunk(cc, dS):  # dS: gradient on the state at the end of chunk ci
-        ci = n_chunks - 1 - cc
-        S = st_ref[ci]
-        base = ci * C
+    def block(m, dgx):
+        r0 = m * SUB
+        refs = (q_ref, k_ref, g_ref, head_ref, tail_ref, bin_ref, bout_ref)
+        q, k, g, head, tail, b_in, b_out = (load(x, r0) for x in refs)
+        do_m, v_m = value_tiles(do_ref, r0, t), value_tiles(v_ref, r0, t)
+        dq_st = t.scale * jnp.exp(b_in) * sum(mm(a, b, (1, 1), t.dtype) for a, b in zip(do_m, S, strict=True))
+        dk_st = jnp.exp(b_out) * sum(mm(a, b, (1, 1), t.dtype) for a, b in zip(v_m, dH, strict=True))
+        qh = q * jnp.exp(head)
 
-        def rows(i, carry):  # dq of sub-block i, the q-side of dS_prev and of dg
-            prefix, dS_acc, dgx = carry
-            r0 = base + i * SUB
-            q_i, k_i, v_i, g_i, do_i = (_load(x, r0) for x in (q_ref, k_ref, v_ref, g_ref, do_ref))
-            head, _ = _head_tail(g_i)
-            qh = q_i * head
-            e_b = head * jnp.exp(prefix)
-            dq_i = scale * e_b * _mm(do_i, S, (1, 1), dtype)
-            dS_acc = dS_acc + _mm(q_i * (scale * e_b), do_i, (0, 0), dtype)
-            # pairs (r in i, s before the chunk) reach the whole sub-blocks m < i
-            dgx = dgx + jnp.where(block_rows < i, jnp.sum(q_i * dq_i, axis=0, keepdims=True), 0.0)
+        def earlier(jj, carry):  # key sub-block j = m-1-jj: dq, and the pairs' totals on sub-blocks between
+            acc, gap, dgx = carry
+            j0 = (m - 1 - jj) * SUB
+            kd = load(k_ref, j0) * jnp.exp(load(tail_ref, j0) + gap)
+            part = mm(load(da_ref, r0, j0, SUB), kd, dtype=t.dtype)
+            pairs = t.scale * jnp.sum(qh * part, axis=0, keepdims=True)
+            dgx = dgx + jnp.where((m_rows > m - 1 - jj) & (m_rows < m), pairs, 0.0)
+            return acc + part, gap + last_row(head_ref, j0, one)[0], dgx
 
-            acc, dgx = _from_earlier((k_ref, v_ref, g_ref), base, i, do_i, qh, dgx, scale)
-            dq_i = dq_i + scale * head * acc
-            dA = jnp.where(_iota(1) <= _iota(0), _mm(do_i, v_i, (1, 1)), 0.0)
-            dq_d, dg_d = _diag_dq_dg(dA, q_i, k_i, g_i)
-            dgq_ref[pl.ds(r0, SUB), :] = _rev_sum(q_i * dq_i) + scale * dg_d
-            dq_ref[pl.ds(r0, SUB), :] = dq_i + scale * dq_d
-            return prefix + jnp.sum(g_i, axis=0, keepdims=True), dS_acc, dgx
+        def later(ii, carry):  # query sub-block i = m+1+ii: dk
+            acc, gap = carry
+            i0 = (m + 1 + ii) * SUB
+            qh_i = load(q_ref, i0) * jnp.exp(load(head_ref, i0))
+            acc = acc + jnp.exp(gap) * mm(load(da_ref, i0, r0, SUB), qh_i, (0, 0), t.dtype)
+            return acc, gap + last_row(head_ref, i0, one)[0]
 
-        zero = jnp.zeros((1, K), f32)
-        total, dS_acc, dgx = jax.lax.fori_loop(0, n, rows, (zero, jnp.zeros_like(dS), jnp.zeros(block_rows.shape, f32)))
+        zero, zrow = jnp.zeros_like(q), jnp.zeros((1, t.BK), f32)
+        acc_q, _, dgx = jax.lax.fori_loop(0, m, earlier, (zero, zrow, dgx))
+        acc_k, _ = jax.lax.fori_loop(0, t.n - 1 - m, later, (zero, zrow))
+        dq = dq_st + t.scale * jnp.exp(head) * acc_q
+        dk = dk_st + t.scale * jnp.exp(tail) * acc_k
+        dA_mm = load(da_ref, r0, r0, SUB)
+        dq_d, dg_d = blk.diag_dq_dg(dA_mm, q, k, g)
+        rows = pl.ds(r0, SUB)
+        dq_ref[rows, :] = dq + t.scale * dq_d
+        dk_ref[rows, :] = dk + t.scale * blk.diag_dk(dA_mm, q, g)
+        dg_ref[rows, :] = blk.rev_sum(q * dq) + blk.excl_sum(k * dk) + t.scale * dg_d
+        # pairs with the key before the chunk reach the whole sub-blocks before m; with the query after it, after m
+        dgx = dgx + jnp.where(m_rows < m, jnp.sum(q * dq_st, axis=0, keepdims=True), 0.0)
+        return dgx + jnp.where(m_rows > m, jnp.sum(k * dk_st, axis=0, keepdims=True), 0.0)
 
-        def cols(jj, carry):  # dk, dv of key sub-block j = n-1-jj, and the k-side of dg
-            suffix, dgx = carry
-            j = n - 1 - jj
-            j0 = base + j * SUB
-            q_j, k_j, v_j, g_j, do_j = (_load(x, j0) for x in (q_ref, k_ref, v_ref, g_ref, do_ref))
-            _, tail = _head_tail(g_j)
-            to_end = tail * jnp.exp(suffix)  # e^{b_C - b_s}
-            dk_j = to_end * _mm(v_j, dS, (1, 1), dtype)
-            # pairs (r after the chunk, s in j) reach the whole sub-blocks m > j
-            dgx = dgx + jnp.where(block_rows > j, jnp.sum(k_j * dk_j, axis=0, keepdims=True), 0.0)
-            dv_j = _mm(k_j * to_end, dS, dtype=dtype)
-
-            dk_j, dv_j = _from_later((q_ref, g_ref, do_ref), j0, jj, k_j, v_j, tail, dk_j, dv_j, scale, dtype)
-            dgk_ref[pl.ds(j0, SUB), :] = _excl_sum(k_j * dk_j)
-            A = _diag_scores(q_j, k_j, g_j, scale)
-            dv_j = dv_j + _mm(A, do_j, (0, 0), dtype)
-            dA = jnp.where(_iota(1) <= _iota(0), _mm(do_j, v_j, (1, 1)), 0.0)
-
-            dk_j = dk_j + scale * _diag_dk(dA, q_j, g_j)
-            dk_ref[pl.ds(j0, SUB), :] = dk_j
-            dv_ref[pl.ds(j0, SUB), :] = dv_j.astype(dv_ref.dtype)
-            return suffix + jnp.sum(g_j, axis=0, keepdims=True), dgx
-
-        _, dgx = jax.lax.fori_loop(0, n, cols, (zero, dgx))
-        # pairs straddling the whole chunk (s before it, r after it): e^{b_C} rowsum(S * dS)
-        dgx_ref[ci] = dgx + jnp.exp(total) * jnp.sum(S * dS, axis=1, keepdims=True).T
-        return jnp.exp(total).T * dS + dS_acc
-
-    ds0_ref[...] = jax.lax.fori_loop(0, n_chunks, chunk, dsT_ref[...].astype(f32))
+    dgx = jax.lax.fori_loop(0, t.n, block, jnp.zeros(dgx_ref.shape, f32))
+    # pairs straddling the whole chunk: e^{b_C} rowsum(S_c * dH_c), on every row
+    through = sum(jnp.sum(a * b, axis=1, keepdims=True) for a, b in zip(S, dH, strict=True))  # [BK, 1]
+    dgx_ref[...] = dgx + jnp.exp(load(bin_ref, t.C - 1, rows=1)) * through.T
 
 
-def _specs(T: int, K: int, BV: int, n_chunks: int):
-    """BlockSpecs over grid (B, H, V // BV) for [B, T, H, K], [B, T, H, V] and [B, H, (N,) K, V] arrays."""
-    sq = pl.squeezed
-    keys = pl.BlockSpec((sq, T, sq, K), lambda b, h, j: (b, 0, h, 0))
-    vals = pl.BlockSpec((sq, T, sq, BV), lambda b, h, j: (b, 0, h, j))
-    state = pl.BlockSpec((sq, sq, K, BV), lambda b, h, j: (b, h, 0, j))
-    states = pl.BlockSpec((sq, sq, n_chunks, K, BV), lambda b, h, j: (b, h, 0, 0, j))
-    part = pl.BlockSpec((sq, sq, T, sq, K), lambda b, h, j: (j, b, 0, h, 0))
-    return keys, vals, state, states, part
+class _Specs:
+    """BlockSpecs over [B, T, H, D] inputs, [B, H, N, K, V] states and [B, H, N, C, C] scores
+    for the two grid kinds: sequential (batch*head, key tile, value tile) and per chunk (chunk,
+    batch*head, i), with i a query sub-block, a value tile or a key tile."""
+
+    def __init__(self, H: int, T: int, Kp: int, Vp: int, NP: int, t: Tiling):
+        sq, C, BK, BV, N = pl.squeezed, t.C, t.BK, t.BV, T // t.C
+
+        def spec(block, index):  # index(b, h, chunk or key tile, i or value tile)
+            return pl.BlockSpec(block, lambda a, x, i: index(x // H, x % H, a, i))
+
+        def seq(block, index):  # grid (batch*head, key tile, value tile)
+            return pl.BlockSpec(block, lambda x, i, j: index(x // H, x % H, i, j))
+
+        self.seq_keys = seq((sq, T, sq, BK), lambda b, h, i, j: (b, 0, h, i))
+        self.seq_vals = seq((sq, T, sq, BV), lambda b, h, i, j: (b, 0, h, j))
+        self.seq_state = seq((sq, sq, BK, BV), lambda b, h, i, j: (b, h, i, j))
+        self.seq_states = seq((sq, sq, N, BK, BV), lambda b, h, i, j: (b, h, 0, i, j))
+        self.keys = spec((sq, C, sq, Kp), lambda b, h, c, i: (b, c, h, 0))
+        self.vals = spec((sq, C, sq, Vp), lambda b, h, c, i: (b, c, h, 0))
+        self.score_rows = spec((sq, sq, sq, SUB, C), lambda b, h, c, i: (b, h, c, i, 0))
+        self.scores = spec((sq, sq, sq, C, C), lambda b, h, c, i: (b, h, c, 0, 0))
+        self.vtile_vals = spec((sq, C, sq, BV), lambda b, h, c, i: (b, c, h, i))
+        self.vtile_state = spec((sq, sq, sq, Kp, BV), lambda b, h, c, i: (b, h, c, 0, i))
+        self.ktile_keys = spec((sq, C, sq, BK), lambda b, h, c, i: (b, c, h, i))
+        self.ktile_state = spec((sq, sq, sq, BK, Vp), lambda b, h, c, i: (b, h, c, i, 0))
+        self.ktile_rows = spec((sq, sq, sq, NP, BK), lambda b, h, c, i: (b, h, c, 0, i))
 
 
-LAUNCH = {"num_warps": 4, "num_stages": 2}  # Triton launch options of both kernels (tools.gpu_check reads them)
+def _call(kernel, name: str, t: Tiling, grid, in_specs, out_specs, out_shape, interpret: bool):
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu_triton  # GPU only; interpret mode never loads it
 
-
-def _compiler_params(interpret: bool):
-    if interpret:
-        return None
-    from jax.experimental.pallas import triton as plgpu_triton  # GPU only; interpret mode never loads it
-
-    return plgpu_triton.CompilerParams(**LAUNCH)
-
-
-def _forward(q, k, v, g, s0, scale, C, BV, interpret):
-    B, T, H, K = q.shape
-    V, N = v.shape[-1], T // C
-    keys, vals, state, states, _ = _specs(T, K, BV, N)
-    kernel = functools.partial(_fwd_kernel, scale=scale, C=C, dtype=q.dtype)
+        compiler_params = plgpu_triton.CompilerParams(**LAUNCH[name])
     return pl.pallas_call(
-        kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct((B, H, K, V), f32),
-            jax.ShapeDtypeStruct((B, H, N, K, V), f32),
-        ),
-        grid=(B, H, V // BV),
-        in_specs=[keys, keys, vals, keys, state],
-        out_specs=(vals, state, states),
+        functools.partial(kernel, t=t),
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
         interpret=interpret,
-        compiler_params=_compiler_params(interpret),
-        name="gla_fwd",
-    )(q, k, v, g, s0)
+        compiler_params=compiler_params,
+        name=name,
+    )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _gla_padded(q, k, v, g, s0, scale: float, C: int, BV: int, interpret: bool):
-    o, sT, _ = _forward(q, k, v, g, s0, scale, C, BV, interpret)
+def _state_pass(kernel, name, x, y, b_in, s, t: Tiling, interpret: bool, b_out=None):
+    """The sequential pass over chunks (forward: x = k, y = v, b_out; backward: x = q, y = do):
+    (per-chunk states [B, H, N, K, V], last state [B, H, K, V]), fp32."""
+    B, T, H, Kp = x.shape
+    Vp = y.shape[-1]
+    sp = _Specs(H, T, Kp, Vp, 1, t)
+    decays = [b_in] if b_out is None else [b_out, b_in]
+    return _call(
+        kernel, name, t, (B * H, t.nk, t.nv),
+        [sp.seq_keys, sp.seq_vals, *[sp.seq_keys] * len(decays), sp.seq_state], (sp.seq_states, sp.seq_state),
+        (jax.ShapeDtypeStruct((B, H, T // t.C, Kp, Vp), f32), jax.ShapeDtypeStruct((B, H, Kp, Vp), f32)), interpret,
+    )(x, y, *decays, s)  # fmt: skip
+
+
+def _scores(q, k, g, dec: Decays, t: Tiling, interpret: bool) -> Array:
+    """Causal in-chunk scores [B, H, N, C, C] in the input dtype (they are only dot operands)."""
+    B, T, H, Kp = q.shape
+    sp = _Specs(H, T, Kp, t.nv * t.BV, 1, t)
+    out = jax.ShapeDtypeStruct((B, H, T // t.C, t.C, t.C), q.dtype)
+    return _call(_scores_kernel, "gla_scores", t, (T // t.C, B * H, t.n), [sp.keys] * 5, sp.score_rows, out, interpret)(
+        q, k, g, dec.head, dec.tail
+    )
+
+
+def _forward(q, k, v, g, s0, t: Tiling, interpret: bool):
+    """(o [B, T, H, V], final state [B, H, K, V], chunk-start states [B, H, N, K, V] fp32); padded inputs."""
+    B, T, H, Kp = q.shape
+    sp = _Specs(H, T, Kp, v.shape[-1], 1, t)
+    dec = decay_sums(g, t.C)
+    states, sT = _state_pass(_states_kernel, "gla_states", k, v, dec.b_in, s0, t, interpret, b_out=dec.b_out)
+    A = _scores(q, k, g, dec, t, interpret)
+    o = _call(
+        _out_kernel, "gla_out", t, (T // t.C, B * H, t.nv),
+        [sp.keys, sp.keys, sp.vtile_vals, sp.vtile_state, sp.scores], sp.vtile_vals,
+        jax.ShapeDtypeStruct(v.shape, v.dtype), interpret,
+    )(q, dec.b_in, v, states, A)  # fmt: skip
+    return o, sT, states
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _gla_padded(q, k, v, g, s0, t: Tiling, interpret: bool):
+    o, sT, _ = _forward(q, k, v, g, s0, t, interpret)
     return o, sT
 
 
-def _vjp_fwd(q, k, v, g, s0, scale, C, BV, interpret):
-    o, sT, starts = _forward(q, k, v, g, s0, scale, C, BV, interpret)
-    return (o, sT), (q, k, v, g, checkpoint_name(starts, "gla_states"))
+def _vjp_fwd(q, k, v, g, s0, t, interpret):
+    o, sT, states = _forward(q, k, v, g, s0, t, interpret)
+    return (o, sT), (q, k, v, g, checkpoint_name(states, "gla_states"))
 
 
-def _vjp_bwd(scale, C, BV, interpret, res, cot):
-    q, k, v, g, starts = res
+def _vjp_bwd(t, interpret, res, cot):
+    q, k, v, g, states = res
     do, dsT = cot
-    B, T, H, K = q.shape
-    V, N, n = v.shape[-1], T // C, C // SUB
-    NP = _next_pow2(n)  # one row per sub-block, padded to a power of two
-    keys, vals, state, states, part = _specs(T, K, BV, N)
-    n_tiles = V // BV
-    rows = pl.BlockSpec((pl.squeezed,) * 3 + (N, NP, K), lambda b, h, j: (j, b, h, 0, 0, 0))
-    kernel = functools.partial(_bwd_kernel, scale=scale, C=C, dtype=q.dtype)
-    per_tile = jax.ShapeDtypeStruct((n_tiles, B, T, H, K), f32)
-    dq, dk, dgq, dgk, dgx, dv, ds0 = pl.pallas_call(
-        kernel,
-        out_shape=(
-            per_tile,
-            per_tile,
-            per_tile,
-            per_tile,
-            jax.ShapeDtypeStruct((n_tiles, B, H, N, NP, K), f32),
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            jax.ShapeDtypeStruct((B, H, K, V), f32),
-        ),
-        grid=(B, H, n_tiles),
-        in_specs=[keys, keys, vals, keys, states, vals, state],
-        out_specs=(part, part, part, part, rows, vals, state),
-        interpret=interpret,
-        compiler_params=_compiler_params(interpret),
-        name="gla_bwd",
-    )(q, k, v, g, starts, do.astype(v.dtype), dsT.astype(f32))
-    dq, dk, dgq, dgk, dgx = (jnp.sum(x, axis=0) for x in (dq, dk, dgq, dgk, dgx))
-    whole = jnp.repeat(dgx[:, :, :, :n], SUB, axis=3).reshape(B, H, T, K).transpose(0, 2, 1, 3)
-    dg = dgq + dgk + whole
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv, dg.astype(g.dtype), ds0
+    B, T, H, Kp = q.shape
+    N, n = T // t.C, t.n
+    NP = _next_pow2(n, 1)  # one row per sub-block, padded to a power of two
+    sp = _Specs(H, T, Kp, v.shape[-1], NP, t)
+    dec = decay_sums(g, t.C)
+    do = do.astype(v.dtype)
+    dstates, ds0 = _state_pass(_dstates_kernel, "gla_dstates", q, do, dec.b_in, dsT.astype(f32), t, interpret)
+    A = _scores(q, k, g, dec, t, interpret)
+    dA = _call(
+        _dscores_kernel, "gla_dscores", t, (N, B * H, n), [sp.vals, sp.vals], sp.score_rows,
+        jax.ShapeDtypeStruct((B, H, N, t.C, t.C), f32), interpret,
+    )(do, v)  # fmt: skip
+    per_key = jax.ShapeDtypeStruct(q.shape, f32)
+    dq, dk, dg, dgx = _call(
+        _dqkg_kernel, "gla_dqkg", t, (N, B * H, t.nk),
+        [*[sp.ktile_keys] * 7, sp.vals, sp.vals, sp.ktile_state, sp.ktile_state, sp.scores],
+        (sp.ktile_keys, sp.ktile_keys, sp.ktile_keys, sp.ktile_rows),
+        (per_key, per_key, per_key, jax.ShapeDtypeStruct((B, H, N, NP, Kp), f32)), interpret,
+    )(q, k, g, dec.head, dec.tail, dec.b_in, dec.b_out, v, do, states, dstates, dA)  # fmt: skip
+    dv = _call(
+        _dv_kernel, "gla_dv", t, (N, B * H, t.nv),
+        [sp.keys, sp.keys, sp.vtile_vals, sp.vtile_state, sp.scores], sp.vtile_vals,
+        jax.ShapeDtypeStruct(v.shape, v.dtype), interpret,
+    )(k, dec.b_out, do, dstates, A)  # fmt: skip
+    whole = jnp.repeat(dgx[:, :, :, :n], SUB, axis=3).reshape(B, H, T, Kp).transpose(0, 2, 1, 3)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv, (dg + whole).astype(g.dtype), ds0
 
 
 _gla_padded.defvjp(_vjp_fwd, _vjp_bwd)
@@ -412,19 +425,21 @@ def pallas_gla(
     *,
     scale: float,
     chunk_size: int = 128,
+    block_k: int = 32,
     block_v: int = 64,
     interpret: bool = False,
 ) -> tuple[Array, Array]:
     """Pallas GLA, checked inputs (see ``chunk_gla``): (o [B, T, H, V], final state [B, H, K, V] fp32).
 
-    Pads T to a multiple of ``chunk_size`` (a multiple of 16), K to a power of two >= 16 and V to
-    a multiple of the value tile (a power of two, at most ``block_v``), all state-neutrally.
+    Pads T to a multiple of ``chunk_size`` (a power of two >= 16), K to a multiple of the key tile
+    and V to a multiple of the value tile (each a power of two >= 16, at most ``block_k`` /
+    ``block_v``), all state-neutrally (zero q, k, v and log-decay).
     """
-    if chunk_size % SUB:
-        raise ValueError(f"the Pallas kernel needs chunk_size to be a multiple of {SUB}; got {chunk_size}")
+    if not pallas_chunk_ok(chunk_size):
+        raise ValueError(f"the Pallas kernel needs chunk_size a power of two, at least {SUB}; got {chunk_size}")
     T, K, V = q.shape[1], q.shape[3], v.shape[3]
-    Kp, BV = _next_pow2(K), min(_next_pow2(block_v), _next_pow2(V))
-    Vp = -(-V // BV) * BV
+    BK, BV = min(_next_pow2(block_k), _next_pow2(K)), min(_next_pow2(block_v), _next_pow2(V))
+    Kp, Vp = -(-K // BK) * BK, -(-V // BV) * BV
     Tp = -(-T // chunk_size) * chunk_size
 
     def pad(x, t, d):
@@ -433,7 +448,8 @@ def pallas_gla(
     q, k, g = (pad(x, Tp, Kp) for x in (q, k, g))
     v = pad(v, Tp, Vp)
     s0 = jnp.pad(s0.astype(f32), ((0, 0), (0, 0), (0, Kp - K), (0, Vp - V)))
-    o, sT = _gla_padded(q, k, v, g.astype(f32), s0, float(scale), chunk_size, BV, interpret)
+    t = Tiling(chunk_size, BK, Kp // BK, BV, Vp // BV, float(scale), jnp.dtype(q.dtype))
+    o, sT = _gla_padded(q, k, v, g.astype(f32), s0, t, interpret)
     return o[:, :T, :, :V], sT[:, :, :K, :V]
 
 
