@@ -58,10 +58,34 @@ def _grad_range(r: dict, kernel: str, name: str) -> str:
     return f"{_sci(g['vs_float64_min'])} to {_sci(g['vs_float64_max'])} ({name})"
 
 
-def _static(r: dict, pass_: str, kernel: str, arch: str) -> str:
-    """A gpu_check table row's registers and spills: "| sm_90 | 255 | 1,872 / 1,912 B |"."""
-    k = next(k for k in r["kernels"] if (k["pass"], k["kernel"], k["arch"]) == (pass_, kernel, arch))
-    return f"| {arch} | {k['registers']} | {k['spill_store_bytes']:,} / {k['spill_load_bytes']:,} B |"
+def _static(name: str) -> Callable[[dict], str]:
+    """A gpu_check table row (BENCHMARKS.md, "Pallas kernel: status") for one kernel."""
+
+    def fmt(r: dict) -> str:
+        k90, k80 = (next(k for k in r["kernels"] if (k["kernel"], k["arch"]) == (name, a)) for a in ("sm_90", "sm_80"))
+        mma = "wgmma m64n64k16" if any("wgmma" in m for m in k90["mma"]) else "mma.sync m16n8k16"
+        return (
+            f"| {name} | {' x '.join(map(str, k90['grid']))} | {k90['programs']:,} ({k90['programs_per_sm']:.2f}) | "
+            f"{k90['num_warps']} / {k90['num_stages']} | {k90['registers']}, {k90['spill_store_bytes']:,} B | "
+            f"{k80['registers']}, {k80['spill_store_bytes']:,} B | {k90['shared_bytes'] / 1024:.0f} KiB | {mma} | "
+            f"{k90['dots'].get('bf16', 0)} / {k90['dots'].get('f32_ieee', 0)} |"
+        )
+
+    return fmt
+
+
+def _sweep(r: dict, kernel: str, warps: int, stages: int) -> int:
+    """Spill bytes of one kernel under one launch setting of the static report's sweep."""
+    rows = r["sweep"]
+    return next(x for x in rows if (x["kernel"], x["num_warps"], x["num_stages"]) == (kernel, warps, stages))[
+        "spill_store_bytes"
+    ]
+
+
+def _fewest_programs(r: dict) -> str:
+    """The smallest launch of the static report: "at least 576 programs (4.36 per SM"."""
+    k = min((k for k in r["kernels"] if k["arch"] == "sm_90"), key=lambda k: k["programs"])
+    return f"at least {k['programs']:,} programs ({k['programs_per_sm']:.2f} per SM"
 
 
 def _k(r: dict, dtype: str) -> str:
@@ -102,6 +126,8 @@ def _sweep_row(decay: str) -> Callable[[dict], str]:
 
     return fmt
 
+
+PALLAS_KERNELS = ("gla_states", "gla_scores", "gla_out", "gla_dstates", "gla_dscores", "gla_dqkg", "gla_dv")
 
 # (document, JSON file, formatter of the quoted text)
 CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
@@ -209,9 +235,9 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
         "first_run_tiny.json",
         lambda r: f"took {int(r['wall_s'] // 60)} min {round(r['wall_s'] % 60)} s wall",
     ),
-    ("BENCHMARKS.md", "gpu_static_3b.json", lambda r: _static(r, "forward", "gla_fwd", "sm_90")),
-    ("BENCHMARKS.md", "gpu_static_3b.json", lambda r: _static(r, "gradient", "gla_bwd", "sm_90")),
-    ("BENCHMARKS.md", "gpu_static_3b.json", lambda r: _static(r, "gradient", "gla_bwd", "sm_80")),
+    *(("BENCHMARKS.md", "gpu_static_3b.json", _static(name)) for name in PALLAS_KERNELS),
+    ("BENCHMARKS.md", "gpu_static_3b.json", _fewest_programs),
+    ("BENCHMARKS.md", "gpu_static_3b.json", lambda r: f"(4 warps spill {_sweep(r, 'gla_dqkg', 4, 2):,} B\nat 2 and 3"),
     ("BENCHMARKS.md", "decode_cost.json", lambda r: f"| {r['configs']['tiny']['ratio_median']:.3f} |"),
     ("BENCHMARKS.md", "decode_cost.json", lambda r: f"| {r['configs']['small_100m']['ratio_median']:.3f} |"),
     (
@@ -650,23 +676,6 @@ CLAIMS += [
     ("BENCHMARKS.md", "decode_memory_3b_bf16.json", _w1024),
     (
         "BENCHMARKS.md",
-        "gpu_static_3b.json",
-        lambda r: (
-            "every kernel spills (the forward "
-            + f"{_spill(r, 'forward', 'gla_fwd', 'sm_90'):,} B at sm_90; the\nbackward "
-            + f"{_spill(r, 'gradient', 'gla_bwd', 'sm_90'):,} B"
-        ),
-    ),
-    (
-        "BENCHMARKS.md",
-        "gpu_static_3b.json",
-        lambda r: (
-            f"| sm_80 | 168 | {_spill(r, 'forward', 'gla_fwd', 'sm_80'):,} / "
-            f"{_spill(r, 'forward', 'gla_fwd', 'sm_80', 'load'):,} B |"
-        ),
-    ),
-    (
-        "BENCHMARKS.md",
         "sampler_3b.json",
         lambda r: f"Most of the {r['sampler'][0]['sampler_bytes_accessed'] / 1e9:.2f} GB",
     ),
@@ -790,11 +799,6 @@ CLAIMS += [
     ("README.md", "tests_cpu.json", lambda r: f"included: {r['passed']} passed in {r['wall_s']:,.0f} s on 2 CPU cores"),
     *(("README.md", "tests_cpu.json", lambda r, i=i: f" {r['slowest'][i]['seconds']:.1f} s") for i in range(5)),
 ]
-
-
-def _spill(r: dict, pass_: str, kernel: str, arch: str, kind: str = "store") -> int:
-    k = next(k for k in r["kernels"] if (k["pass"], k["kernel"], k["arch"]) == (pass_, kernel, arch))
-    return k[f"spill_{kind}_bytes"]
 
 
 def _state(r: dict, width: int) -> str:

@@ -39,6 +39,9 @@ def test_small_shape_lowers_compiles_and_reports_resources(tmp_path):
         assert k["programs"] == math.prod(k["grid"]) == programs[k["kernel"]], k["kernel"]
         assert k["shared_bytes"] > 0 and k["spill_store_bytes"] >= 0
         assert any(m.startswith(("mma.sync", "wgmma")) for m in k["mma"])  # the dots run on tensor cores
+        # bf16 operands everywhere but the 0/1 triangular sums of log-decays and gate-gradient terms
+        assert k["dots"].get("bf16", 0) >= 1 and set(k["dots"]) <= {"bf16", "f32_ieee"}, k["dots"]
+        assert ("f32_ieee" in k["dots"]) == (k["kernel"] in ("gla_scores", "gla_dqkg")), k["dots"]
     assert main(["--shape", "small", "--arch", "90", "--out", str(tmp_path / "r.json")]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["shape"] == "small"
 

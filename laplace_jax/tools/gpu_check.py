@@ -104,6 +104,18 @@ print(json.dumps({"ptx": k.asm["ptx"], "shared": k.metadata.shared}))
 """
 
 
+def dot_kinds(ttir: str) -> dict[str, int]:
+    """The kernel's dot ops (static count in the Triton IR) by operand type and input precision:
+    "bf16" (tensor cores), "f32_ieee" (IEEE fp32 on CUDA cores), "f32_tf32" (tensor cores, TF32)."""
+    kinds: dict[str, int] = {}
+    for line in re.findall(r"tt\.dot [^\n]*", ttir):
+        operand = re.search(r": tensor<[^>]*x(\w+)>", line).group(1)
+        precision = m.group(1) if (m := re.search(r"inputPrecision = (\w+)", line)) else "ieee"
+        key = operand if operand != "f32" else f"f32_{precision}"
+        kinds[key] = kinds.get(key, 0) + 1
+    return dict(sorted(kinds.items()))
+
+
 def _ptxas() -> str:
     """The assembler bundled with triton, found without importing triton (whose LLVM must not
     share a process with XLA's)."""
@@ -150,6 +162,7 @@ def resources(module: dict[str, Any], arch: int, workdir: str) -> dict[str, Any]
         "spill_store_bytes": number(r"(\d+) bytes spill stores"),
         "spill_load_bytes": number(r"(\d+) bytes spill loads"),
         "shared_bytes": out["shared"],
+        "dots": dot_kinds(module["ttir"]),
         "mma": sorted({m.group(0) for m in re.finditer(r"\b(wgmma\.mma_async|mma\.sync)\.\w+(\.\w+)*", out["ptx"])}),
     }
 
@@ -216,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{k['pass']:>8} {k['kernel'][:40]:<40} {k['arch']}: {k['registers']} regs, "
             f"spills {k['spill_store_bytes']} B stored / {k['spill_load_bytes']} B loaded, "
             f"smem {k['shared_bytes'] / 1024:.0f} KiB, {k['programs']} programs "
-            f"({k['programs_per_sm']:.2f} per SM), mma {', '.join(k['mma']) or 'none'}"
+            f"({k['programs_per_sm']:.2f} per SM), dots {k['dots']}, mma {', '.join(k['mma']) or 'none'}"
         )
     if a.out:
         with open(a.out, "w") as f:
