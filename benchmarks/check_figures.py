@@ -193,6 +193,8 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("README.md", "numerics_kernels.json", lambda r: f"<= {_sci(_grads(r, 'pallas')[_VS_RECURRENT])} (Pallas)"),
     ("README.md", "numerics_kernels.json", lambda r: f"{_sci(r['bf16_rms_rel']['kernel_xla'])} (XLA)"),
     ("README.md", "numerics_kernels.json", lambda r: f"{_sci(r['bf16_rms_rel']['kernel_pallas'])} (Pallas)"),
+    ("README.md", "numerics_kernels.json", lambda r: f"{_sci(r['bf16_rms_rel']['gradients_xla'])} (XLA grads)"),
+    ("README.md", "numerics_kernels.json", lambda r: f"{_sci(r['bf16_rms_rel']['gradients_pallas'])} (Pallas grads)"),
     ("README.md", "numerics_kernels.json", lambda r: f"< 3e-2 | {_sci(r['bf16_rms_rel']['model_logits'])} |"),
     ("BENCHMARKS.md", "muon_3b.json", lambda r: f"{r['bfloat16']['reduction_vs_gather']:.1f}x"),
     ("BENCHMARKS.md", "serve_cpu_roofline.json", _roofline("small_100m", 1, "fraction_of_bandwidth", "{:.1%}")),

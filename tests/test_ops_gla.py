@@ -183,6 +183,25 @@ def test_bf16_inputs_accumulate_in_fp32(kernel):
     assert err < BF16_BOUND
 
 
+@KERNELS
+def test_bf16_gradients_stay_within_the_bf16_bound(kernel):
+    """Gradients with bf16 q, k, v (the training configuration) against fp32 inputs: the Pallas
+    kernel's bf16 score and score-gradient dot operands must not cost more than bf16 inputs do."""
+    q, k, v, g, _s0 = _inputs(256, "strong", seed=5)
+    w_o = np.random.default_rng(6).standard_normal((*q.shape[:3], v.shape[-1])).astype(np.float32)
+
+    def grads(dtype):
+        def loss(q, k, v, g):
+            o, _ = chunk_gla(q.astype(dtype), k.astype(dtype), v.astype(dtype), g, chunk_size=64, kernel=kernel)
+            return jnp.sum(o.astype(jnp.float32) * w_o)
+
+        return jax.grad(loss, argnums=range(4))(q, k, v, g)
+
+    for name, lo, ref in zip("qkvg", grads(jnp.bfloat16), grads(jnp.float32), strict=True):
+        err = float(jnp.linalg.norm(lo.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+        assert np.isfinite(err) and err < BF16_BOUND, (name, err)
+
+
 def test_pallas_autodiff_saves_only_inputs_and_chunk_states():
     """The Pallas kernel recomputes its scores: jax.grad keeps the padded inputs and the chunk-start
     states [B, H, N, K, V], nothing else (besides the pads' scalar fill values)."""

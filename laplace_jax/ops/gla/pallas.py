@@ -15,13 +15,15 @@ sequential pass; everything inside a chunk runs in parallel over chunks.
 - ``gla_states`` (grid batch*head x key tiles x value tiles): walks the chunks, writes each
   chunk's start state S_c [K, V] fp32 and the final state. A state tile is [BK, BV] fp32 in
   registers; the decay is diagonal in K, so key tiles are independent.
-- ``gla_out`` (grid chunks x batch*head): o = s (q e^{b}) S_c + tril(A) v per 16-row sub-block,
-  the scores A recomputed from q, k and the decays; all value tiles in one program, so each
-  sub-block's scores are built once.
+- ``gla_scores`` (grid chunks x batch*head x 16-row query sub-blocks): that row panel of the
+  causal scores A [C, C], exact decays, stored in the input dtype (A is only a dot operand).
+- ``gla_out`` (grid chunks x batch*head x value tiles): o = s (q e^{b_in}) S_c + A v, in blocks
+  of 64 rows (wgmma-sized).
 - backward: ``gla_dstates`` (the reverse state pass: dH_c, the gradient on the state at the end
-  of chunk c, and d initial state), then ``gla_dqkg`` (grid chunks x batch*head x key tiles:
-  dq, dk and the gate gradient, which are per key column) and ``gla_dv`` (grid chunks x
-  batch*head).
+  of chunk c, and d initial state), ``gla_scores`` again, ``gla_dscores`` (tril(do v^T), fp32:
+  the gate gradient uses it elementwise), ``gla_dqkg`` (grid chunks x batch*head x key tiles:
+  dq, dk and the gate gradient, all per key column) and ``gla_dv`` (per value tile:
+  (k e^{b_out}) dH_c + A^T do).
 
 Decays: per 16-row sub-block, the in-sub-block sums ``head`` (start .. r) and ``tail``
 (r exclusive .. end) and the chunk-level ``b_in`` (chunk start .. r) and ``b_out`` (r exclusive
@@ -62,8 +64,9 @@ from laplace_jax.platform import on_gpu
 
 Array = jax.Array
 
-# Triton launch options per kernel (tools.gpu_check reads them), chosen from the static report
-LAUNCH = {  # from the sweep in BENCHMARKS.md ("python -m laplace_jax.tools.gpu_check --shape 3b --sweep"):
+# Triton launch options per kernel (tools.gpu_check reads them), chosen from the static report's
+# sweep at the 3B layer (BENCHMARKS.md: "python -m laplace_jax.tools.gpu_check --shape 3b --sweep")
+LAUNCH = {
     "gla_states": {"num_warps": 8, "num_stages": 2},  # the fewest registers of any setting without spills
     "gla_scores": {"num_warps": 4, "num_stages": 2},
     "gla_out": {"num_warps": 4, "num_stages": 2},
