@@ -238,7 +238,6 @@ def _dqkg_kernel(
     [BK, V], the score gradient [C, C] -> dq, dk and the gate gradient's per-row part [C, BK],
     and its per-sub-block part dgx [NP, BK] (one row per sub-block, added to the sub-block's 16
     rows outside), fp32."""
-    one = Tiling(t.C, t.BK, 1, t.BV, t.nv, t.scale, t.dtype)  # this program's single key tile
     m_rows = jax.lax.broadcasted_iota(jnp.int32, dgx_ref.shape, 0)  # [NP, BK]: sub-block index
     S, dH = ([ref[:, pl.ds(vt * t.BV, t.BV)] for vt in range(t.nv)] for ref in (s_ref, ds_ref))
 
@@ -258,14 +257,14 @@ def _dqkg_kernel(
             part = mm(load(da_ref, r0, j0, SUB), kd, dtype=t.dtype)
             pairs = t.scale * jnp.sum(qh * part, axis=0, keepdims=True)
             dgx = dgx + jnp.where((m_rows > m - 1 - jj) & (m_rows < m), pairs, 0.0)
-            return acc + part, gap + last_row(head_ref, j0, one)[0], dgx
+            return acc + part, gap + load(head_ref, j0 + SUB - 1, rows=1), dgx
 
         def later(ii, carry):  # query sub-block i = m+1+ii: dk
             acc, gap = carry
             i0 = (m + 1 + ii) * SUB
             qh_i = load(q_ref, i0) * jnp.exp(load(head_ref, i0))
             acc = acc + jnp.exp(gap) * mm(load(da_ref, i0, r0, SUB), qh_i, (0, 0), t.dtype)
-            return acc, gap + last_row(head_ref, i0, one)[0]
+            return acc, gap + load(head_ref, i0 + SUB - 1, rows=1)
 
         zero, zrow = jnp.zeros_like(q), jnp.zeros((1, t.BK), f32)
         acc_q, _, dgx = jax.lax.fori_loop(0, m, earlier, (zero, zrow, dgx))
