@@ -82,6 +82,19 @@ def _sweep(r: dict, kernel: str, warps: int, stages: int) -> int:
     ]
 
 
+def _block_row(bk: int, bv: int) -> Callable[[dict], str]:
+    """A row of the tiling table (BENCHMARKS.md, "Pallas kernel: status") from the --blocks report."""
+
+    def fmt(r: dict) -> str:
+        rows = {x["kernel"]: x for x in r["blocks"] if (x["block_k"], x["block_v"]) == (bk, bv)}
+        worst = max(rows.values(), key=lambda x: x["spill_store_bytes"])
+        spills = f"{worst['spill_store_bytes']:,} B" + (f" ({worst['kernel']})" if worst["spill_store_bytes"] else "")
+        regs = " / ".join(str(rows[k]["registers"]) for k in ("gla_out", "gla_dv", "gla_dqkg"))
+        return f"| {bk} x {bv} | {rows['gla_states']['programs']:,} | {spills} | {regs} |"
+
+    return fmt
+
+
 def _fewest_programs(r: dict) -> str:
     """The smallest launch of the static report: "at least 576 programs (4.36 per SM"."""
     k = min((k for k in r["kernels"] if k["arch"] == "sm_90"), key=lambda k: k["programs"])
@@ -127,6 +140,7 @@ def _sweep_row(decay: str) -> Callable[[dict], str]:
     return fmt
 
 
+TILINGS = ((32, 32), (32, 64), (64, 64), (32, 128))  # tools.gpu_check.BLOCKS
 PALLAS_KERNELS = ("gla_states", "gla_scores", "gla_out", "gla_dstates", "gla_dscores", "gla_dqkg", "gla_dv")
 
 # (document, JSON file, formatter of the quoted text)
@@ -239,6 +253,7 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ),
     *(("BENCHMARKS.md", "gpu_static_3b.json", _static(name)) for name in PALLAS_KERNELS),
     ("BENCHMARKS.md", "gpu_static_3b.json", _fewest_programs),
+    *(("BENCHMARKS.md", "gpu_static_3b.json", _block_row(bk, bv)) for bk, bv in TILINGS),
     ("BENCHMARKS.md", "gpu_static_3b.json", lambda r: f"(4 warps spill {_sweep(r, 'gla_dqkg', 4, 2):,} B\nat 2 and 3"),
     ("BENCHMARKS.md", "decode_cost.json", lambda r: f"| {r['configs']['tiny']['ratio_median']:.3f} |"),
     ("BENCHMARKS.md", "decode_cost.json", lambda r: f"| {r['configs']['small_100m']['ratio_median']:.3f} |"),

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from laplace_jax.tools.gpu_check import SHAPES, UnsupportedError, main, report, sweep
+from laplace_jax.tools.gpu_check import BLOCKS, SHAPES, UnsupportedError, block_sweep, main, report, sweep
 
 FORWARD = ("gla_states", "gla_scores", "gla_out")
 BACKWARD = ("gla_dstates", "gla_dscores", "gla_dqkg", "gla_dv")
@@ -56,3 +56,15 @@ def test_sweep_compiles_each_kernel_under_every_launch_setting_and_marks_the_cho
         mine = [r for r in rows if r["kernel"] == name]
         assert len(mine) == 6 and sum(r["chosen"] for r in mine) == 1
         assert len({(r["num_warps"], r["num_stages"]) for r in mine}) == 6
+
+
+@pytest.mark.slow
+def test_block_sweep_compiles_the_gradient_under_each_tiling():
+    _report()
+    rows = block_sweep("small", 90)
+    B, _, H, K, V = SHAPES["small"]
+    for bk, bv in BLOCKS:
+        mine = {r["kernel"]: r for r in rows if (r["block_k"], r["block_v"]) == (bk, bv)}
+        assert set(mine) == set(FORWARD + BACKWARD)
+        tiles = max(1, K // min(bk, K)) * max(1, V // min(bv, V))  # tiles never exceed the (power-of-two) widths
+        assert mine["gla_states"]["programs"] == mine["gla_dstates"]["programs"] == B * H * tiles

@@ -3,6 +3,7 @@
     python -m laplace_jax.tools.gpu_check --shape 3b --out report.json      # the 3B layer
     python -m laplace_jax.tools.gpu_check --shape small                      # seconds; what CI runs
     python -m laplace_jax.tools.gpu_check --shape 3b --arch 90 --sweep       # + every num_warps x num_stages
+    python -m laplace_jax.tools.gpu_check --shape 3b --arch 90 --blocks      # + key x value tilings
 
 1. Lower the forward and the gradient of ``chunk_gla(..., kernel="pallas", interpret=False)``
    for cuda (``lower(lowering_platforms=("cuda",))``: Pallas' Triton lowering runs in Python),
@@ -16,8 +17,10 @@
 Needs jaxlib 0.10.x (newer jaxlibs compile Triton during lowering through the CUDA plugin) and
 ``pip install triton``; where the jax here has no Python Triton lowering to capture, the check
 says so and writes ``{"skipped": reason}`` (a lowering error in the kernels is an error, not a
-skip). The report is JSON: one entry per kernel and architecture, and with ``--sweep`` the
-resources of every kernel under every launch setting (how ``LAUNCH`` was chosen).
+skip). The report is JSON: one entry per kernel and architecture; with ``--sweep`` the
+resources of every kernel under every launch setting (how ``LAUNCH`` was chosen), with
+``--blocks`` those of the gradient's kernels under other key x value tilings (how
+``pallas_gla``'s default tiles were chosen).
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ class UnsupportedError(RuntimeError):
     """This jax cannot run the check on this machine; the message says why."""
 
 
-def capture(shape: tuple[int, ...]) -> list[dict[str, Any]]:
+def capture(shape: tuple[int, ...], blocks: tuple[int, int] | None = None) -> list[dict[str, Any]]:
     """Lower forward and gradient for cuda; each Triton module's text, grid and launch options.
+    ``blocks``: (key tile, value tile) instead of the kernel's defaults.
     Raises ``UnsupportedError`` where this jaxlib does not run Pallas' Triton lowering in Python."""
     import jax
     import jax.numpy as jnp
@@ -56,13 +60,17 @@ def capture(shape: tuple[int, ...]) -> list[dict[str, Any]]:
         raise UnsupportedError(f"jax {jax.__version__} has no Pallas Triton lowering module ({e})") from e
 
     from laplace_jax.ops.gla import chunk_gla
+    from laplace_jax.ops.gla.pallas import pallas_gla
 
     B, T, H, K, V = shape
     args = [jax.ShapeDtypeStruct((B, T, H, d), jnp.bfloat16) for d in (K, K, V)]
     args.append(jax.ShapeDtypeStruct((B, T, H, K), jnp.float32))
 
     def fwd(q, k, v, g):
-        return chunk_gla(q, k, v, g, kernel="pallas", interpret=False)[0]
+        if blocks is None:
+            return chunk_gla(q, k, v, g, kernel="pallas", interpret=False)[0]
+        s0 = jnp.zeros((B, H, K, V), jnp.float32)
+        return pallas_gla(q, k, v, g, s0, scale=K**-0.5, block_k=blocks[0], block_v=blocks[1])[0]
 
     def loss(q, k, v, g):
         return fwd(q, k, v, g).astype(jnp.float32).sum()
@@ -200,12 +208,30 @@ def sweep(shape_name: str, arch: int) -> list[dict[str, Any]]:
     return rows
 
 
+BLOCKS = ((32, 32), (32, 64), (64, 64), (32, 128))  # (key tile, value tile) settings --blocks compiles
+
+
+def block_sweep(shape_name: str, arch: int) -> list[dict[str, Any]]:
+    """The gradient's kernels compiled under each ``BLOCKS`` tiling (launch options as in
+    ``LAUNCH``): programs, registers and spills, to choose ``pallas_gla``'s tiles from."""
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for bk, bv in BLOCKS:
+            for m in capture(SHAPES[shape_name], (bk, bv)):
+                if m["pass"] == "gradient":
+                    r = resources(m, arch, workdir)
+                    keep = ("kernel", "arch", "programs", "registers", "spill_store_bytes")
+                    rows.append({"block_k": bk, "block_v": bv} | {k: r[k] for k in keep})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m laplace_jax.tools.gpu_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
     ap.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(SMS))
     ap.add_argument("--out", default=None, help="write the JSON report here")
     ap.add_argument("--sweep", action="store_true", help="also compile every kernel under every num_warps x num_stages")
+    ap.add_argument("--blocks", action="store_true", help="also compile the gradient under each key x value tiling")
     a = ap.parse_args(argv)
     try:
         rep = report(a.shape, a.arch)
@@ -216,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
             with open(a.out, "w") as f:
                 json.dump(rep, f, indent=2)
         return 0
+    if a.blocks:
+        rep["blocks"] = block_sweep(a.shape, a.arch[0])
+        for r in rep["blocks"]:
+            print(
+                f"blocks K {r['block_k']:>3} V {r['block_v']:>3} {r['kernel']:<12} {r['arch']}: "
+                f"{r['programs']} programs, {r['registers']} regs, spills {r['spill_store_bytes']} B"
+            )
     if a.sweep:
         rep["sweep"] = sweep(a.shape, a.arch[0])
         for r in rep["sweep"]:
