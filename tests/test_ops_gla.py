@@ -224,6 +224,31 @@ def test_pallas_tiles_and_padding_do_not_change_result():
     assert _rel(o, np.asarray(ref, np.float64)) <= TOL and _rel(s, np.asarray(s_ref, np.float64)) <= TOL
 
 
+@pytest.mark.parametrize(
+    "T, K, V, C",
+    [(1, 16, 16, 16), (17, 16, 8, 16), (33, 20, 24, 32), (100, 48, 80, 64)],
+    ids=["one token", "one sub-block per chunk, V below a tile", "odd widths", "3 K tiles, partial V tile"],
+)
+def test_pallas_edge_shapes_forward_and_gradients_equal_the_xla_kernel(T, K, V, C):
+    """Shapes at the kernel's edges (empty loops, a single sub-block, padding inside a tile)
+    with an initial state and a strong decay: outputs, final state and all five gradients."""
+    q, k, v, g, s0 = _inputs(T, "strong", B=1, H=2, K=K, V=V, seed=T)
+    r = np.random.default_rng(T)
+    w_o, w_s = r.standard_normal((1, T, 2, V)).astype(np.float32), r.standard_normal(s0.shape).astype(np.float32)
+
+    def run(kernel):
+        def loss(*a):
+            o, s = chunk_gla(*a[:4], initial_state=a[4], chunk_size=C, kernel=kernel)
+            return jnp.sum(o * w_o) + jnp.sum(s * w_s), (o, s)
+
+        return jax.grad(loss, argnums=range(5), has_aux=True)(q, k, v, g, s0)
+
+    (grads, outs), (ref_grads, ref_outs) = run("pallas"), run("xla")
+    names = ["o", "s", "q", "k", "v", "g", "s0"]
+    for name, ours, ref in zip(names, [*outs, *grads], [*ref_outs, *ref_grads], strict=True):
+        assert _rel(ours, np.asarray(ref, np.float64)) <= TOL, name
+
+
 def test_bad_inputs_raise_clear_errors():
     q, k, v, g, s0 = _inputs(10, "weak")
     with pytest.raises(ValueError, match="rank 4"):
