@@ -61,6 +61,7 @@ from jax.ad_checkpoint import checkpoint_name
 from laplace_jax.config import SUB_BLOCK, pallas_chunk_ok
 from laplace_jax.ops.gla.inputs import check_inputs
 from laplace_jax.ops.gla.pallas import pallas_gla, pallas_interpret
+from laplace_jax.ops.gla.sums import excl_cumsum, rev_excl_cumsum, rev_incl_cumsum, shift_down, shift_up
 
 Array = jax.Array
 
@@ -69,35 +70,6 @@ f32 = jnp.float32
 
 def _dot(spec: str, a: Array, b: Array, dtype: jnp.dtype) -> Array:
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=f32)
-
-
-def _rev_excl_cumsum(x: Array, axis: int) -> Array:
-    """sum_{t > s} x_t along ``axis``, summed directly (no cancellation for same-sign x)."""
-    return _shift_up(_rev_incl_cumsum(x, axis), 1, axis)
-
-
-def _rev_incl_cumsum(x: Array, axis: int) -> Array:
-    return jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis), axis)
-
-
-def _shift_down(x: Array, d: int, axis: int) -> Array:
-    """x[r - d] along ``axis`` (zeros where r < d)."""
-    if d == 0:
-        return x
-    n = x.shape[axis]
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (d, 0)
-    return jax.lax.slice_in_dim(jnp.pad(x, pad), 0, n, axis=axis)
-
-
-def _shift_up(x: Array, d: int, axis: int) -> Array:
-    """x[r + d] along ``axis`` (zeros where r + d is past the end)."""
-    if d == 0:
-        return x
-    n = x.shape[axis]
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, d)
-    return jax.lax.slice_in_dim(jnp.pad(x, pad), d, n + d, axis=axis)
 
 
 class _Decays:
@@ -110,7 +82,7 @@ class _Decays:
         gs = g_CxK.reshape(*lead, self.n, self.c, K)
         self.step = jnp.exp(gs)  # e^{g_r}
         self.head = jnp.exp(jnp.cumsum(gs, axis=-2))  # sub-block start .. r (inclusive)
-        self.tail = jnp.exp(_rev_excl_cumsum(gs, axis=-2))  # s (exclusive) .. sub-block end
+        self.tail = jnp.exp(rev_excl_cumsum(gs, axis=-2))  # s (exclusive) .. sub-block end
         self.block = jnp.sum(gs, axis=-2)  # [..., n, K], whole sub-block
 
     def split(self, x: Array) -> Array:
@@ -118,14 +90,14 @@ class _Decays:
 
     def gaps(self, i: int) -> Array:
         """e^{sum of whole sub-blocks strictly between j and i}, for j < i: [..., i, K]."""
-        return jnp.exp(_rev_excl_cumsum(self.block[..., :i, :], axis=-2))
+        return jnp.exp(rev_excl_cumsum(self.block[..., :i, :], axis=-2))
 
     def diagonals(self):
         """(d, decay_d) for d = 0..c-1: decay_d[r] = prod_{r-d < t <= r} e^{g_t} inside a sub-block."""
         decay = jnp.ones_like(self.step)
         for d in range(self.c):
             if d:
-                decay = decay * _shift_down(self.step, d - 1, axis=-2)
+                decay = decay * shift_down(self.step, d - 1, axis=-2)
             yield d, decay
 
 
@@ -145,7 +117,7 @@ def _scores(q: Array, k: Array, dec: _Decays, scale: float) -> Array:
     qh, kt = qs * dec.head, ks * dec.tail
     # one reduction over K for all diagonals (not one per diagonal): XLA then reduces in the same
     # order compiled and op-by-op, which keeps --exact runs bit-identical to jax.disable_jit
-    terms = jnp.stack([qs * decay * _shift_down(ks, d, -2) for d, decay in dec.diagonals()], -3)
+    terms = jnp.stack([qs * decay * shift_down(ks, d, -2) for d, decay in dec.diagonals()], -3)
     by_diag = jnp.sum(terms, axis=-1)  # [..., n, c(d), c(r)]
     r, s = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
     diag = by_diag[..., jnp.maximum(r - s, 0), r] * (s <= r)  # [..., n, c(r), c(s)]
@@ -158,11 +130,6 @@ def _scores(q: Array, k: Array, dec: _Decays, scale: float) -> Array:
         parts += [diag[..., i, :, :], jnp.zeros((*lead, c, (n - 1 - i) * c), f32)]
         rows.append(jnp.concatenate(parts, axis=-1))
     return scale * jnp.concatenate(rows, axis=-2)
-
-
-def _excl_cumsum(x: Array, axis: int) -> Array:
-    """sum_{s < t} x_s along ``axis``, summed directly."""
-    return _shift_down(jnp.cumsum(x, axis), 1, axis)
 
 
 def _straddle_mask(n: int) -> Array:
@@ -198,7 +165,7 @@ def _scores_bwd(q: Array, k: Array, dec: _Decays, dA: Array, scale: float) -> tu
     dq = jnp.stack(dq_rows, axis=-3) * dec.head
     dk = jnp.stack([sum(parts) for parts in dk_parts], axis=-3) * dec.tail
     between = jnp.sum(pair_totals[..., None, :, :, :] * _straddle_mask(n), axis=(-3, -2))  # [..., n(m), K]
-    dg = _rev_incl_cumsum(qs * dq, -2) + _excl_cumsum(ks * dk, -2) + between[..., None, :]
+    dg = rev_incl_cumsum(qs * dq, -2) + excl_cumsum(ks * dk, -2) + between[..., None, :]
     dA4 = dA.reshape(*dA.shape[:-2], n, c, n, c)
     own = jnp.moveaxis(jnp.diagonal(dA4, axis1=-4, axis2=-2), -1, -3)  # [..., n, c(r), c(s)]
     d_idx, r_idx = jnp.arange(c)[:, None], jnp.arange(c)[None, :]
@@ -206,12 +173,12 @@ def _scores_bwd(q: Array, k: Array, dec: _Decays, dA: Array, scale: float) -> tu
     window = jnp.zeros_like(qs)  # sum over d' >= d of the pair terms P[r, r - d'], d walking down
     for d, decay in reversed(list(dec.diagonals())):
         term = coefs[..., d, :, None] * decay
-        k_d = _shift_down(ks, d, -2)
+        k_d = shift_down(ks, d, -2)
         dq = dq + term * k_d
-        dk = dk + _shift_up(term * qs, d, -2)
+        dk = dk + shift_up(term * qs, d, -2)
         if d:  # the pair (r, r - d) reaches g_t for r - d < t <= r: t = r - e with e < d
             window = window + term * qs * k_d
-            dg = dg + _shift_up(window, d - 1, -2)
+            dg = dg + shift_up(window, d - 1, -2)
     shape = q.shape
     return scale * dq.reshape(shape), scale * dk.reshape(shape), scale * dg.reshape(shape)
 
@@ -222,7 +189,7 @@ def _fwd_chunk(q, k, v, g, S, scale, dtype):
     b = jnp.cumsum(g, axis=-2)
     A = _scores(q, k, dec, scale)
     o = _dot("bhrs,bhsv->bhrv", A, v, dtype) + _dot("bhck,bhkv->bhcv", q.astype(f32) * (scale * jnp.exp(b)), S, dtype)
-    k_state = k.astype(f32) * jnp.exp(_rev_excl_cumsum(g, axis=-2))  # decay from s to the chunk end
+    k_state = k.astype(f32) * jnp.exp(rev_excl_cumsum(g, axis=-2))  # decay from s to the chunk end
     S_next = jnp.exp(jnp.sum(g, axis=-2))[..., None] * S + _dot("bhck,bhcv->bhkv", k_state, v, dtype)
     return o, S_next, A
 
@@ -232,7 +199,7 @@ def _bwd_chunk(q, k, v, g, S, A, do, dS, scale, dtype):
     (dq, dk, dv, dg, dS_prev)."""
     dec = _Decays(g)
     e_b = jnp.exp(jnp.cumsum(g, axis=-2))
-    e_tail = jnp.exp(_rev_excl_cumsum(g, axis=-2))
+    e_tail = jnp.exp(rev_excl_cumsum(g, axis=-2))
     e_C = jnp.exp(jnp.sum(g, axis=-2))  # [B, H, K]
     qf, kf = q.astype(f32), k.astype(f32)
     # through the state: o_inter = (s q e^b)^T S and S_next = e^C S + (k e^tail)^T v
@@ -246,7 +213,7 @@ def _bwd_chunk(q, k, v, g, S, A, do, dS, scale, dtype):
     dq_a, dk_a, dg = _scores_bwd(q, k, dec, dA, scale)
     # the gate through the state, as pair sums: pairs (r in the chunk, s before it) reach g_t for
     # t <= r, pairs (r after, s in the chunk) for t > s, pairs straddling the chunk every t in it
-    dg = dg + _rev_incl_cumsum(qf * dq, -2) + _excl_cumsum(kf * dk_state, -2)
+    dg = dg + rev_incl_cumsum(qf * dq, -2) + excl_cumsum(kf * dk_state, -2)
     dg = dg + (e_C * jnp.sum(S * dS, axis=-1))[..., None, :]
     dq, dk = dq + dq_a, dk_state + dk_a
     return dq, dk, dv, dg, dS_prev

@@ -60,6 +60,7 @@ from jax.experimental import pallas as pl
 from laplace_jax.config import pallas_chunk_ok
 from laplace_jax.ops.gla import pallas_blocks as blk
 from laplace_jax.ops.gla.pallas_blocks import SUB, Tiling, f32, key_tiles, last_row, load, mm, value_tiles
+from laplace_jax.ops.gla.sums import excl_cumsum, rev_excl_cumsum
 from laplace_jax.platform import on_gpu
 
 Array = jax.Array
@@ -90,26 +91,15 @@ class Decays(NamedTuple):
     b_out: Array
 
 
-def _excl_sum(x: Array, axis: int, reverse: bool = False) -> Array:
-    """Sum of the terms strictly before (after, with ``reverse``) each position along ``axis``:
-    a cumulative sum shifted by one, so a direct sum (no difference)."""
-    if reverse:
-        return jnp.flip(_excl_sum(jnp.flip(x, axis), axis), axis)
-    c = jnp.cumsum(x, axis)
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (1, 0)
-    return jax.lax.slice_in_dim(jnp.pad(c, pad), 0, x.shape[axis], axis=axis)
-
-
 def decay_sums(g: Array, C: int) -> Decays:
     """The four decay sums of g [B, T, H, K] (T a multiple of C), from in-sub-block cumulative sums
     and sums of whole sub-blocks: every one a sum of terms <= 0."""
     B, T, H, K = g.shape
     gs = g.astype(f32).reshape(B, T // C, C // SUB, SUB, H, K)
     head = jnp.cumsum(gs, axis=3)
-    tail = _excl_sum(gs, 3, reverse=True)
+    tail = rev_excl_cumsum(gs, 3)
     whole = jnp.sum(gs, axis=3, keepdims=True)  # [B, N, n, 1, H, K]
-    before, after = _excl_sum(whole, 2), _excl_sum(whole, 2, reverse=True)
+    before, after = excl_cumsum(whole, 2), rev_excl_cumsum(whole, 2)
     return Decays(*(x.reshape(B, T, H, K) for x in (head, tail, head + before, tail + after)))
 
 
@@ -292,8 +282,9 @@ class _Specs:
     for the two grid kinds: sequential (batch*head, key tile, value tile) and per chunk (chunk,
     batch*head, i), with i a query sub-block, a value tile or a key tile."""
 
-    def __init__(self, H: int, T: int, Kp: int, Vp: int, NP: int, t: Tiling):
+    def __init__(self, H: int, T: int, t: Tiling):
         sq, C, BK, BV, N = pl.squeezed, t.C, t.BK, t.BV, T // t.C
+        Kp, Vp, NP = t.nk * BK, t.nv * BV, t.NP
 
         def spec(block, index):  # index(b, h, chunk or key tile, i or value tile)
             return pl.BlockSpec(block, lambda a, x, i: index(x // H, x % H, a, i))
@@ -334,12 +325,11 @@ def _call(kernel, name: str, t: Tiling, grid, in_specs, out_specs, out_shape, in
     )
 
 
-def _state_pass(kernel, name, x, y, b_in, s, t: Tiling, interpret: bool, b_out=None):
+def _state_pass(kernel, name, x, y, b_in, s, sp: _Specs, t: Tiling, interpret: bool, b_out=None):
     """The sequential pass over chunks (forward: x = k, y = v, b_out; backward: x = q, y = do):
     (per-chunk states [B, H, N, K, V], last state [B, H, K, V]), fp32."""
     B, T, H, Kp = x.shape
     Vp = y.shape[-1]
-    sp = _Specs(H, T, Kp, Vp, 1, t)
     decays = [b_in] if b_out is None else [b_out, b_in]
     return _call(
         kernel, name, t, (B * H, t.nk, t.nv),
@@ -348,10 +338,9 @@ def _state_pass(kernel, name, x, y, b_in, s, t: Tiling, interpret: bool, b_out=N
     )(x, y, *decays, s)  # fmt: skip
 
 
-def _scores(q, k, g, dec: Decays, t: Tiling, interpret: bool) -> Array:
+def _scores(q, k, g, dec: Decays, sp: _Specs, t: Tiling, interpret: bool) -> Array:
     """Causal in-chunk scores [B, H, N, C, C] in the input dtype (they are only dot operands)."""
-    B, T, H, Kp = q.shape
-    sp = _Specs(H, T, Kp, t.nv * t.BV, 1, t)
+    B, T, H, _ = q.shape
     out = jax.ShapeDtypeStruct((B, H, T // t.C, t.C, t.C), q.dtype)
     return _call(_scores_kernel, "gla_scores", t, (T // t.C, B * H, t.n), [sp.keys] * 5, sp.score_rows, out, interpret)(
         q, k, g, dec.head, dec.tail
@@ -360,11 +349,11 @@ def _scores(q, k, g, dec: Decays, t: Tiling, interpret: bool) -> Array:
 
 def _forward(q, k, v, g, s0, t: Tiling, interpret: bool):
     """(o [B, T, H, V], final state [B, H, K, V], chunk-start states [B, H, N, K, V] fp32); padded inputs."""
-    B, T, H, Kp = q.shape
-    sp = _Specs(H, T, Kp, v.shape[-1], 1, t)
+    B, T, H, _ = q.shape
+    sp = _Specs(H, T, t)
     dec = decay_sums(g, t.C)
-    states, sT = _state_pass(_states_kernel, "gla_states", k, v, dec.b_in, s0, t, interpret, b_out=dec.b_out)
-    A = _scores(q, k, g, dec, t, interpret)
+    states, sT = _state_pass(_states_kernel, "gla_states", k, v, dec.b_in, s0, sp, t, interpret, b_out=dec.b_out)
+    A = _scores(q, k, g, dec, sp, t, interpret)
     o = _call(
         _out_kernel, "gla_out", t, (T // t.C, B * H, t.nv),
         [sp.keys, sp.keys, sp.vtile_vals, sp.vtile_state, sp.scores], sp.vtile_vals,
@@ -389,12 +378,11 @@ def _vjp_bwd(t, interpret, res, cot):
     do, dsT = cot
     B, T, H, Kp = q.shape
     N, n = T // t.C, t.n
-    NP = _next_pow2(n, 1)  # one row per sub-block, padded to a power of two
-    sp = _Specs(H, T, Kp, v.shape[-1], NP, t)
+    sp = _Specs(H, T, t)
     dec = decay_sums(g, t.C)
     do = do.astype(v.dtype)
-    dstates, ds0 = _state_pass(_dstates_kernel, "gla_dstates", q, do, dec.b_in, dsT.astype(f32), t, interpret)
-    A = _scores(q, k, g, dec, t, interpret)
+    dstates, ds0 = _state_pass(_dstates_kernel, "gla_dstates", q, do, dec.b_in, dsT.astype(f32), sp, t, interpret)
+    A = _scores(q, k, g, dec, sp, t, interpret)
     dA = _call(
         _dscores_kernel, "gla_dscores", t, (N, B * H, n), [sp.vals, sp.vals], sp.score_rows,
         jax.ShapeDtypeStruct((B, H, N, t.C, t.C), f32), interpret,
@@ -404,7 +392,7 @@ def _vjp_bwd(t, interpret, res, cot):
         _dqkg_kernel, "gla_dqkg", t, (N, B * H, t.nk),
         [*[sp.ktile_keys] * 7, sp.vals, sp.vals, sp.ktile_state, sp.ktile_state, sp.scores],
         (sp.ktile_keys, sp.ktile_keys, sp.ktile_keys, sp.ktile_rows),
-        (per_key, per_key, per_key, jax.ShapeDtypeStruct((B, H, N, NP, Kp), f32)), interpret,
+        (per_key, per_key, per_key, jax.ShapeDtypeStruct((B, H, N, t.NP, Kp), f32)), interpret,
     )(q, k, g, dec.head, dec.tail, dec.b_in, dec.b_out, v, do, states, dstates, dA)  # fmt: skip
     dv = _call(
         _dv_kernel, "gla_dv", t, (N, B * H, t.nv),

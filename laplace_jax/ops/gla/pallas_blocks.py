@@ -47,6 +47,11 @@ class Tiling:
         return self.C // SUB
 
     @property
+    def NP(self) -> int:
+        """Rows of the per-sub-block gate-gradient part: n padded to a power of two."""
+        return 1 << (self.n - 1).bit_length()
+
+    @property
     def R(self) -> int:
         """Rows per block of the output and value-gradient kernels (their dots' M and K)."""
         return min(self.C, ROWS)
