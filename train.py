@@ -3,6 +3,7 @@
     python train.py --config configs/tiny.py                      # embedded corpus, CPU, minutes
     python train.py --config configs/tiny.py --config.opt.lr=1e-3 --workdir runs/lr1e-3
     python train.py --config configs/3b.py --plan                 # compile for 64 devices, report
+    python train.py --config configs/3b.py --plan --topology v5p:2x2x4   # the TPU compiler's view
     python train.py --config configs/3b.py --config.data.path=data/fineweb
 
 Rerunning the same command resumes from the newest checkpoint in --workdir. Multi-host: run one
@@ -22,6 +23,13 @@ flags.mark_flag_as_required("config")
 flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl, tb/ and loss.png (default runs/<config name>).")
 flags.DEFINE_bool("plan", False, "Compile the sharded step for the config's mesh on fake CPU devices and report.")
 flags.DEFINE_bool("json", False, "With --plan: print the report as JSON.")
+flags.DEFINE_string(
+    "topology",
+    None,
+    "With --plan: compile for this TPU topology instead (e.g. v5e:2x2, v5p:2x2x4; needs the tpu extra, no TPU) "
+    "and add the TPU compiler's estimated step time, tokens/s, MFU and the run's days and cost.",
+)
+flags.DEFINE_float("usd_per_chip_hour", 0.0, "With --plan --topology: price of one chip-hour for the run's cost.")
 flags.DEFINE_string("compile_cache_dir", None, "Persistent compile cache (JAX; Neuron's too on Neuron).")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 for multi-process runs.")
 flags.DEFINE_integer("num_processes", None, "Number of processes in a multi-process run.")
@@ -32,20 +40,13 @@ FLAGS = flags.FLAGS
 def main(argv):
     del argv
     from laplace_jax.config import RunConfig
+    from laplace_jax.errors import UserError
 
     cfg = RunConfig.from_mapping(FLAGS.config)  # every block checked: a typo fails before anything compiles
+    if FLAGS.topology and not FLAGS.plan:
+        raise UserError("--topology goes with --plan (this machine compiles for a TPU but cannot run on one)")
     if FLAGS.plan:
-        n = max(1, cfg.mesh.data) * max(1, cfg.mesh.fsdp)
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        import jax
-
-        jax.config.update("jax_num_cpu_devices", n)
-        import json
-
-        from laplace_jax.train.plan import format_plan, plan
-
-        rep = plan(cfg)
-        print(json.dumps(rep, indent=2) if FLAGS.json else format_plan(rep))
+        print(cli.plan_text(cfg, FLAGS.topology, FLAGS.usd_per_chip_hour, FLAGS.json))
         return
     import jax
 

@@ -96,8 +96,8 @@ def _inputs_only_standin():
 
 def step_report(config: str, batch: int, seq: int, dtype: str, remat: str, time_batch: int, standin: bool) -> dict:
     from laplace_jax.config import RunConfig, load_config_file
+    from laplace_jax.hlo_stats import memory_report
     from laplace_jax.layers import gla as gla_layer
-    from laplace_jax.train.accounting import memory_report
     from laplace_jax.train.trainer import Trainer
 
     if standin:

@@ -22,8 +22,9 @@ import numpy as np
 
 from benchmarks.common import write_result
 from laplace_jax.config import RunConfig, load_config_file
+from laplace_jax.hlo_stats import memory_report
 from laplace_jax.platform import median_seconds, peak_flops_per_device
-from laplace_jax.train.accounting import flops_per_token, memory_report
+from laplace_jax.train.accounting import flops_per_token
 from laplace_jax.train.trainer import Trainer
 
 

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -49,6 +50,32 @@ def _parse(argv: list[str]) -> list[str]:
         # ml_collections raises these for a --config.x.y override naming an unknown or mistyped field.
         msg = str(e.args[0] if e.args else e).replace("\\n", " ").replace("\\'", "").replace("'", "")
         sys.exit(f"error: bad config override: {msg}")
+
+
+def plan_text(cfg: Any, topology: str | None, usd_per_chip_hour: float, as_json: bool) -> str:
+    """``train.py --plan [--topology T]``: the report as text or JSON. Both compile on this
+    machine's CPU backend: fake CPU devices for the config's mesh, or a TPU topology's
+    compile-only devices."""
+    import json
+
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    if topology:
+        import math
+
+        from laplace_jax.tpu import parse_topology
+        from laplace_jax.train.tpu_plan import format_tpu_plan, tpu_plan
+
+        # Muon's traffic report compiles its all-to-alls on as many fake CPU devices as chips
+        jax.config.update("jax_num_cpu_devices", math.prod(parse_topology(topology)[1]))
+        rep = tpu_plan(cfg, topology, usd_per_chip_hour)
+        return json.dumps(rep, indent=2) if as_json else format_tpu_plan(rep)
+    jax.config.update("jax_num_cpu_devices", max(1, cfg.mesh.data) * max(1, cfg.mesh.fsdp))
+    from laplace_jax.train.plan import format_plan, plan
+
+    rep = plan(cfg)
+    return json.dumps(rep, indent=2) if as_json else format_plan(rep)
 
 
 def run(main: Callable[[list[str]], None]) -> None:

@@ -21,3 +21,91 @@ def test_collective_inside_scan_counts_per_iteration():
     assert stats["all-to-all"]["ops"] == 24
     assert stats["all-to-all"]["bytes"] == 24 * 8 * 16 * 4  # per-device block [8, 16] f32, 24 times
     assert stats["all-gather"]["ops"] == 0
+
+
+# A while loop as the TPU compiler prints it (abridged from a compiled scan of 10 steps): no
+# known_trip_count, the count is in the loop itself; stack frames name the source.
+TPU_LOOP = """HloModule jit_g, is_scheduled=true
+
+FileNames
+1 "/src/laplace_jax/ops/gla/chunk.py"
+
+FunctionNames
+1 "outer"
+2 "inner"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=10 end_line=10 column=1 end_column=2}
+2 {file_name_id=1 function_name_id=2 line=20 end_line=20 column=1 end_column=2}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=2}
+
+%fused (p: f32[1024,1024]) -> f32[1024,1024] {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  ROOT %m = f32[1024,1024]{1,0} multiply(%p, %p), metadata={op_name="jit(g)/while/body/mul" stack_frame_id=2}
+}
+
+%body (t: (s32[], f32[1024,1024], s32[])) -> (s32[], f32[1024,1024], s32[]) {
+  %c1 = s32[]{:T(128)} constant(2)
+  %t = (s32[]{:T(128)}, f32[1024,1024]{1,0}, s32[]{:T(128)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%t), index=0
+  %next = s32[]{:T(128)} add(%i, %c1), metadata={op_name="jit(g)/while/body/add"}
+  %x = f32[1024,1024]{1,0} get-tuple-element(%t), index=1
+  %f = f32[1024,1024]{1,0} fusion(%x), kind=kLoop, calls=%fused, backend_config={"estimated_cycles":"1000"}
+  %k = s32[]{:T(128)} get-tuple-element(%t), index=2
+  ROOT %r = (s32[]{:T(128)}, f32[1024,1024]{1,0}, s32[]{:T(128)}) tuple(%next, %f, %k)
+}
+
+%cond (t: (s32[], f32[1024,1024], s32[])) -> pred[] {
+  %lim = s32[]{:T(128)} constant(20)
+  %t = (s32[]{:T(128)}, f32[1024,1024]{1,0}, s32[]{:T(128)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%t), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %lim), direction=LT
+}
+
+ENTRY %main (x: f32[1024,1024]) -> f32[1024,1024] {
+  %zero = s32[]{:T(128)} constant(0)
+  %one = s32[]{:T(128)} constant(1)
+  %x = f32[1024,1024]{1,0} parameter(0)
+  %start = s32[]{:T(128)} copy(%zero)
+  %init = (s32[]{:T(128)}, f32[1024,1024]{1,0}, s32[]{:T(128)}) tuple(%start, %x, %one)
+  %w = (s32[]{:T(128)}, f32[1024,1024]{1,0}, s32[]{:T(128)}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[1024,1024]{1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_trip_count_is_read_from_the_loop_where_the_compiler_prints_none():
+    from laplace_jax.hlo_stats import Module, loops
+
+    module = Module(TPU_LOOP)
+    assert [lp["trips"] for lp in loops(module)] == [10]  # 0, 2, .., 18 < 20
+    mult = module.multiplicities(control_only=True)
+    assert mult["body"] == 10 and mult["cond"] == 11 and "fused" not in mult
+    changed = Module(TPU_LOOP.replace("direction=LT", "direction=LE"))
+    assert [lp["trips"] for lp in loops(changed)] == [11]  # 0, 2, .., 20 <= 20
+    unreadable = Module(TPU_LOOP.replace("add(%i, %c1)", "multiply(%i, %c1)"))
+    assert [lp["trips"] for lp in loops(unreadable)] == [None]
+
+
+def test_estimate_sums_cycles_times_trips_and_names_the_source():
+    from laplace_jax.tpu import CHIPS, estimate
+
+    est = estimate(TPU_LOOP, CHIPS["v5e"])
+    assert est["cycles"] == 10 * 1000
+    assert est["seconds"] == 10 * 1000 / 1.5e9
+    (row,) = est["by_source"]
+    assert row["source"] == "ops/gla/chunk.py:20 inner" and set(row["primitives"]) == {"mul"}
+    assert est["unestimated"] == {}  # scalars and tuples are bookkeeping, not left-out work
+
+
+def test_stack_frames_chain_to_their_callers():
+    """An op's frame is its innermost; each frame's parent_frame_id is the caller's table id + 1."""
+    from laplace_jax.hlo_stats import Module
+
+    assert [f[1] for f in Module(TPU_LOOP).frames()[2]] == ["inner", "outer"]  # 2 -> table id 1
+    alone = TPU_LOOP.replace("2 {file_location_id=2 parent_frame_id=2}", "2 {file_location_id=2 parent_frame_id=0}")
+    assert [f[1] for f in Module(alone).frames()[2]] == ["inner"]
+    assert Module(TPU_LOOP).frames()[1] == [("/src/laplace_jax/ops/gla/chunk.py", "outer", 10)]

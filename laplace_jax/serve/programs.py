@@ -73,39 +73,12 @@ class DevicePrograms:
         }
 
     # ----- compilation --------------------------------------------------------------------
-    def _abstract(self, tree, sharding):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
-
     def programs(self, widths: Sequence[int]) -> list[tuple]:
         """(name, width, fn, abstract args, donated argnums) for every executable serving needs."""
-        D, V, lay = self.D, self.cfg.vocab_size, self.layout
-        prefill = functools.partial(prefill_program, lay)
-        rows = lay.row_sharding()
-        state_D = self._abstract(jax.eval_shape(lambda: init_state(self.cfg, D)), self.layout.model_sharding())
-        logits = jax.ShapeDtypeStruct((D, V), jnp.float32, sharding=rows)
-        ints = jax.ShapeDtypeStruct((D,), jnp.int32, sharding=rows)
-        tokens = jax.ShapeDtypeStruct((D, self.prefill_chunk), jnp.int32, sharding=rows)
-        tpl = row_template(self.prng, self.cfg.vocab_size)
-        req = {k: jax.ShapeDtypeStruct((D, *tpl[k][0]), tpl[k][1], sharding=rows) for k in REQUEST_FIELDS}
-        slots = self._abstract_slots()
-        out = [
-            ("prefill", D, prefill, (self.params, tokens, state_D, ints, logits), ()),
-            ("score", D, prefill, (self.params, tokens, state_D, ints, logits, tokens), ()),
-            ("insert", D, functools.partial(insert_program, lay), (slots, state_D, logits, req, ints), (0,)),
-            ("move", D, functools.partial(move_program, lay), (slots, ints, ints), (0,)),
-            ("snapshot", D, functools.partial(snapshot_program, lay), (slots, ints), ()),
-        ]
-        return out + [self.decode_program(w) for w in widths]
-
-    def _abstract_slots(self) -> dict:
-        return {
-            "model": self._abstract(self.slots["model"], self.layout.model_sharding()),
-            "rows": self._abstract(self.slots["rows"], self.layout.row_sharding()),
-        }
+        return serving_programs(self.layout, self.params, self.S, self.prefill_chunk, widths)
 
     def decode_program(self, width: int) -> tuple:
-        fn = functools.partial(decode_program, self.layout, W=width)
-        return ("decode", width, fn, (self.params, self._abstract_slots()), (1,))
+        return serving_programs(self.layout, self.params, self.S, self.prefill_chunk, [width])[-1]
 
     def compile(self, name: str, width: int, fn: Callable, args: tuple, donate: tuple[int, ...]):
         compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
@@ -228,3 +201,39 @@ class DevicePrograms:
         for d, (s, t) in moves.items():
             src[d], dst[d] = s, t
         self.slots = self.executables[("move", self.D)](self.slots, src, dst)
+
+
+def _abstract(tree, sharding):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def serving_programs(
+    lay: SlotLayout, params: Any, slots_per_device: int, prefill_chunk: int, widths: Sequence[int]
+) -> list[tuple]:
+    """(name, width, fn, abstract args, donated argnums) of every serving executable: prefill,
+    score, insert, move, snapshot and decode at each bucket width. ``params``: the placed (packed)
+    weights or their ShapeDtypeStructs; nothing is allocated, so the programs compile for any
+    devices, a TPU topology's included (``tools/tpu_check --serve``)."""
+    cfg, D = lay.cfg, lay.D
+    V, n = cfg.vocab_size, D * slots_per_device
+    params = _abstract(params, NamedSharding(lay.mesh, P()))
+    prefill = functools.partial(prefill_program, lay)
+    rows = lay.row_sharding()
+    state_D = _abstract(jax.eval_shape(lambda: init_state(cfg, D)), lay.model_sharding())
+    logits = jax.ShapeDtypeStruct((D, V), jnp.float32, sharding=rows)
+    ints = jax.ShapeDtypeStruct((D,), jnp.int32, sharding=rows)
+    tokens = jax.ShapeDtypeStruct((D, prefill_chunk), jnp.int32, sharding=rows)
+    tpl = row_template(lay.prng, V)
+    req = {k: jax.ShapeDtypeStruct((D, *tpl[k][0]), tpl[k][1], sharding=rows) for k in REQUEST_FIELDS}
+    slots = {
+        "model": _abstract(jax.eval_shape(lambda: init_state(cfg, n)), lay.model_sharding()),
+        "rows": {k: jax.ShapeDtypeStruct((n, *shape), dtype, sharding=rows) for k, (shape, dtype, _) in tpl.items()},
+    }
+    out = [
+        ("prefill", D, prefill, (params, tokens, state_D, ints, logits), ()),
+        ("score", D, prefill, (params, tokens, state_D, ints, logits, tokens), ()),
+        ("insert", D, functools.partial(insert_program, lay), (slots, state_D, logits, req, ints), (0,)),
+        ("move", D, functools.partial(move_program, lay), (slots, ints, ints), (0,)),
+        ("snapshot", D, functools.partial(snapshot_program, lay), (slots, ints), ()),
+    ]
+    return out + [("decode", w, functools.partial(decode_program, lay, W=w), (params, slots), (1,)) for w in widths]

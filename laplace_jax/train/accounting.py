@@ -1,10 +1,8 @@
-"""What a train step costs: its model FLOPs per token and its per-device memory from XLA's
-compiled ``memory_analysis()``; the trainer's fit check, ``--plan`` and ``benchmarks/bench_train``
-all read them here."""
+"""What a train step costs: its model FLOPs per token and whether its compiled memory
+(``hlo_stats.memory_report``) fits a device; the trainer's fit check, ``--plan`` and
+``benchmarks/bench_train`` read them here."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from laplace_jax.config import ModelConfig
 from laplace_jax.errors import UserError
@@ -16,19 +14,6 @@ def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     C, K, V = cfg.chunk_size, cfg.head_k_dim, cfg.head_v_dim
     gla = cfg.n_layers * cfg.n_heads * (4 * K * V + 2 * C * (K + V))
     return 6.0 * matmul_params + 3.0 * gla
-
-
-def memory_report(compiled: Any) -> dict[str, int]:
-    """Per-device bytes of a compiled step: arguments, outputs, temporaries, aliased, total needed."""
-    m = compiled.memory_analysis()
-    need = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-    return {
-        "arguments": int(m.argument_size_in_bytes),
-        "outputs": int(m.output_size_in_bytes),
-        "temporaries": int(m.temp_size_in_bytes),
-        "aliased": int(m.alias_size_in_bytes),
-        "total": int(need),
-    }
 
 
 def check_fit(mem: dict[str, int], available: int, n_devices: int) -> None:

@@ -17,7 +17,8 @@ from laplace_jax.config import RunConfig
 from laplace_jax.data.pipeline import train_batches
 from laplace_jax.data.sources import TrainingData
 from laplace_jax.errors import UserError
-from laplace_jax.train.accounting import check_fit, flops_per_token, memory_report
+from laplace_jax.hlo_stats import memory_report
+from laplace_jax.train.accounting import check_fit, flops_per_token
 from laplace_jax.train.metrics import MetricsWriter, StepLog, plot_loss
 from laplace_jax.train.trainer import Trainer
 

@@ -17,11 +17,11 @@ from typing import Any
 
 from laplace_jax import platform
 from laplace_jax.config import PlanConfig, RunConfig
-from laplace_jax.hlo_stats import collective_bytes, collectives_by_source
+from laplace_jax.hlo_stats import collective_bytes, collectives_by_source, memory_report
 from laplace_jax.optim import payload_dtype
 from laplace_jax.optim.comm_report import muon_comm_report
 from laplace_jax.sharding import FSDP
-from laplace_jax.train.accounting import flops_per_token, memory_report
+from laplace_jax.train.accounting import flops_per_token
 from laplace_jax.train.trainer import Trainer
 
 # The original team's measured 3B training throughput on one trn2.48xlarge (64 logical cores),
@@ -89,6 +89,23 @@ def plan(config: RunConfig) -> dict[str, Any]:
     """Compile the sharded step for the config's mesh on fake CPU devices; report memory, traffic and cost."""
     trainer = Trainer(config)
     compiled = trainer.compile()
+    rep = _step_report(config, trainer, compiled)
+    rep["device_memory"] = platform.device_memory_bytes(config.train.device_memory_gib)
+    wire = sum(rep["wire_bytes_per_device"].values())
+    rep["cost"] = estimate_cost(
+        config.plan,
+        flops_per_step=rep["flops_per_token"] * trainer.tokens_per_step,
+        wire_bytes_per_device=wire,
+        devices=rep["devices"],
+        tokens_per_step=trainer.tokens_per_step,
+        steps=trainer.steps,
+        with_seed=abs(trainer.n_params / SEED_PARAMS - 1) < 0.01,
+    )
+    return rep
+
+
+def _step_report(config: RunConfig, trainer: Trainer, compiled: Any) -> dict[str, Any]:
+    """Memory and collectives of the compiled step (what both plans print)."""
     mem = memory_report(compiled)
     n = trainer.mesh.devices.size
     hlo = compiled.as_text()
@@ -101,22 +118,11 @@ def plan(config: RunConfig) -> dict[str, Any]:
         "total_steps": trainer.steps,
         "total_tokens": trainer.tokens_per_step * trainer.steps,
         "memory_per_device": mem,
-        "device_memory": platform.device_memory_bytes(config.train.device_memory_gib),
         "train_step_collectives_per_device": coll,
         "train_step_collectives_by_source": collectives_by_source(hlo),
         "flops_per_token": flops_per_token(trainer.model_cfg, trainer.n_params),
         "wire_bytes_per_device": wire_bytes(coll, n),
     }
-    wire = sum(rep["wire_bytes_per_device"].values())
-    rep["cost"] = estimate_cost(
-        config.plan,
-        flops_per_step=rep["flops_per_token"] * trainer.tokens_per_step,
-        wire_bytes_per_device=wire,
-        devices=n,
-        tokens_per_step=trainer.tokens_per_step,
-        steps=trainer.steps,
-        with_seed=abs(trainer.n_params / SEED_PARAMS - 1) < 0.01,
-    )
     if config.opt.optimizer == "muon" and trainer.mesh.shape[FSDP] > 1:
         comm = payload_dtype(config.opt.comm_dtype)
         rep["muon"] = muon_comm_report(trainer.model_cfg, trainer.mesh.shape[FSDP], comm)
@@ -151,14 +157,10 @@ def _format_cost(c: dict[str, Any]) -> list[str]:
     ]
 
 
-def format_plan(rep: dict[str, Any]) -> str:
-    """The plan report as aligned text."""
+def format_collectives(rep: dict[str, Any]) -> list[str]:
+    """Memory per device and the step's collectives (trip counts applied) as text lines."""
     mem, avail = rep["memory_per_device"], rep["device_memory"]
     lines = [
-        f"devices             {rep['devices']} (mesh {rep['mesh']})",
-        f"parameters          {rep['params']:,}",
-        f"tokens per step     {rep['tokens_per_step']:,}",
-        f"total steps         {rep['total_steps']:,} ({rep['total_tokens'] / 1e9:.1f}e9 tokens)",
         "memory per device (compiled train step):",
         f"  arguments         {_gib(mem['arguments'])}",
         f"  outputs           {_gib(mem['outputs'])} ({_gib(mem['aliased'])} aliased to inputs)",
@@ -186,4 +188,16 @@ def format_plan(rep: dict[str, Any]) -> str:
             f"{m['gather_baseline_bytes_per_rank'] / 1e9:.2f} GB gather baseline: "
             f"{m['reduction_vs_gather']:.1f}x less; NS busiest/mean rank {m['ns_busiest_over_mean']:.3f}"
         )
+    return lines
+
+
+def format_plan(rep: dict[str, Any]) -> str:
+    """The plan report as aligned text."""
+    lines = [
+        f"devices             {rep['devices']} (mesh {rep['mesh']})",
+        f"parameters          {rep['params']:,}",
+        f"tokens per step     {rep['tokens_per_step']:,}",
+        f"total steps         {rep['total_steps']:,} ({rep['total_tokens'] / 1e9:.1f}e9 tokens)",
+        *format_collectives(rep),
+    ]
     return "\n".join(lines + _format_cost(rep["cost"]))

@@ -1,0 +1,139 @@
+"""The TPU compiler's view of the programs users run, as JSON (no TPU: ``laplace_jax.tpu``).
+
+    python -m benchmarks.bench_tpu --out benchmarks/results/tpu_programs.json
+    python -m benchmarks.bench_tpu --only kernel,decode --out /tmp/quick.json
+
+Rows (each compiled by the real TPU compiler for a deviceless topology; every time is the
+compiler's estimate, not a measurement):
+- kernel:   ``chunk_gla`` at the 3B layer (B4 T4096 H16 K96 V192, bf16, chunk 128) on v5e,
+            forward and forward + backward, against the memory and FLOP limits;
+- decode:   3B ``decode_step`` at W=256 on one v5p chip, bf16 weights as plain arrays and packed;
+- train:    ``configs/gla_340m.py`` at 16 x 2048 tokens, bf16, on v5e:2x2, and ``configs/3b.py``
+            (Muon, FSDP over 16 chips) on v5p:2x2x4: step time, tokens/s, MFU, memory per chip;
+- calibration (``--only calibration``): an 8192^3 bf16 matmul and a 1 GiB-in, 1 GiB-out fp32
+            elementwise op on v5e and v5p, as shares of the chip's published peak and bandwidth.
+Each row keeps the report's headline figures and its top sources; ``--full`` keeps every field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from benchmarks.common import write_result
+
+ROWS = ("kernel", "decode", "train")
+EXTRA = ("calibration",)  # not in the default set: its own JSON (tpu_calibration.json)
+TRAIN = (  # (config, topology, overrides)
+    ("configs/gla_340m.py", "v5e:2x2", {"data": {"global_batch": 16}, "model": {"dtype": "bfloat16"}}),
+    ("configs/3b.py", "v5p:2x2x4", {}),
+)
+
+
+def _headline(rep: dict[str, Any], top: int, full: bool) -> dict[str, Any]:
+    if full:
+        return rep
+    est = rep["estimate"]
+    return {
+        "program": rep["program"],
+        "chip": rep["chip"],
+        "estimate_s": est["seconds"],
+        "label": est["label"],
+        "limit_s": rep["limit"]["seconds"],
+        "limit": {k: rep["limit"][k] for k in ("flops", "bytes", "compute_s", "memory_s", "bound")},
+        "estimate_over_limit": rep["estimate_over_limit"],
+        "memory": rep["memory"],
+        "loops": est["loops"],
+        "top_sources": est["by_source"][:top],
+        "unestimated": est["unestimated"],
+    }
+
+
+def _train_row(config_path: str, topology: str, overrides: dict, top: int, full: bool) -> dict[str, Any]:
+    import dataclasses
+
+    from laplace_jax.config import load_run_config
+    from laplace_jax.train.tpu_plan import tpu_plan
+
+    config = load_run_config(config_path)
+    for block, values in overrides.items():
+        config = dataclasses.replace(config, **{block: dataclasses.replace(getattr(config, block), **values)})
+    rep = tpu_plan(config, topology)
+    row = _headline(rep["tpu"], top, full)
+    row.update(
+        config=config_path, topology=topology, overrides=overrides, mesh=rep["mesh"], run=rep["tpu_run"],
+        params=rep["params"], tokens_per_step=rep["tokens_per_step"], seed=rep.get("seed"),
+    )  # fmt: skip
+    return row
+
+
+def _calibration() -> list[dict[str, Any]]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from laplace_jax.tpu import estimate, tpu_devices
+
+    out = []
+    n, m = 8192, 2**28
+    for topology in ("v5e:1x1", "v5p:1x1x1"):
+        chip, devices = tpu_devices(topology)
+        s = NamedSharding(Mesh(np.asarray(devices[:1]), ("x",)), P())
+        for name, fn, shapes, work in (
+            ("matmul 8192^3 bf16", jnp.matmul, [((n, n), jnp.bfloat16)] * 2, 2 * n**3),
+            ("elementwise 1 GiB in + 1 GiB out fp32", lambda x: x * 2.0 + 1.0, [((m,), jnp.float32)], 8 * m),
+        ):
+            args = [jax.ShapeDtypeStruct(sh, dt, sharding=s) for sh, dt in shapes]
+            est = estimate(jax.jit(fn).lower(*args).compile().as_text(), chip)
+            rate = work / est["seconds"]
+            peak = chip.peak_bf16_tflops * 1e12 if "matmul" in name else chip.hbm_gbps * 1e9
+            out.append(
+                {"program": name, "chip": chip.name, "estimate_s": est["seconds"], "rate": rate, "share": rate / peak}
+            )
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS + EXTRA)}")
+    ap.add_argument("--top", type=int, default=8, help="top sources kept per program")
+    ap.add_argument("--full", action="store_true", help="keep every field of every report")
+    ap.add_argument("--out", help="write the JSON here")
+    a = ap.parse_args(argv)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 16)  # Muon's traffic report for the 16-chip plan
+    from laplace_jax.config import load_run_config
+    from laplace_jax.tools.tpu_check import SHAPES, decode_reports, kernel_reports
+    from laplace_jax.tpu import tpu_devices
+
+    only = set(a.only.split(","))
+    res: dict[str, Any] = {"jax": jax.__version__, "rows": {}}
+    import importlib.metadata
+
+    res["libtpu"] = importlib.metadata.version("libtpu")
+    t0 = time.perf_counter()
+    if "kernel" in only:
+        chip, devices = tpu_devices("v5e:1x1")
+        res["rows"]["kernel"] = [_headline(r, a.top, a.full) for r in kernel_reports(chip, devices, SHAPES["3b"], 128)]
+    if "decode" in only:
+        chip, devices = tpu_devices("v5p:1x1x1")
+        reps = decode_reports(chip, devices, load_run_config("configs/3b.py"), 256)
+        res["rows"]["decode"] = [_headline(r, a.top, a.full) for r in reps]
+    if "calibration" in only:
+        res["rows"]["calibration"] = _calibration()
+    if "train" in only:
+        res["rows"]["train"] = [_train_row(*row, a.top, a.full) for row in TRAIN]
+    res["seconds"] = time.perf_counter() - t0
+    write_result(res, "bench_tpu", argv, a.out)
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

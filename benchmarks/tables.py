@@ -1,0 +1,135 @@
+"""Markdown tables generated from the committed benchmark JSON, so a table cannot drift from its data.
+
+    python -m benchmarks.tables            # rewrite every table in the docs from benchmarks/results/
+    python -m benchmarks.tables --check    # exit 1 (and name the table) where a doc differs
+
+A doc holds a generated table between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``;
+everything between the markers is replaced by ``TABLES[NAME]`` rendered from its JSON, whose
+path is written under the table with the command that produced it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+
+RESULTS = os.path.join("benchmarks", "results")
+DOCS = ("README.md", "BENCHMARKS.md", *(os.path.join("docs", f) for f in ("tpu.md",)))
+
+
+def _ms(s: float) -> str:
+    if s >= 1:
+        return f"{s:,.3f} s"
+    return f"{s * 1e3:,.2f} ms" if s < 0.01 else f"{s * 1e3:,.1f} ms"
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def _tpu_programs(r: dict) -> list[str]:
+    rows = ["| program | TPU | compiler estimate | hand-counted limit | estimate / limit | temporaries per chip |"]
+    rows.append("|---|---|---|---|---|---|")
+    for rep in (*r["rows"].get("kernel", []), *r["rows"].get("decode", [])):
+        lim = rep["limit"]
+        rows.append(
+            f"| {rep['program']} | {rep['chip']} | {_ms(rep['estimate_s'])} | {_ms(rep['limit_s'])} ({lim['bound']}) "
+            f"| {rep['estimate_over_limit']:.1f}x | {_gib(rep['memory']['temporaries'])} |"
+        )
+    return rows
+
+
+def _tpu_train(r: dict) -> list[str]:
+    rows = ["| config | topology | mesh | step (estimate) | tokens/s | MFU | memory per chip | temporaries |"]
+    rows.append("|---|---|---|---|---|---|---|---|")
+    for t in r["rows"].get("train", []):
+        run, mem = t["run"], t["memory"]
+        over = ", ".join(f"{b}.{k}={v}" for b, kv in t["overrides"].items() for k, v in kv.items())
+        mesh = " x ".join(f"{k} {v}" for k, v in t["mesh"].items())
+        rows.append(
+            f"| `{t['config']}`{' ' + over if over else ''} | {t['topology']} | {mesh} | {_ms(run['step_s'])} | "
+            f"{run['tokens_per_s']:,.0f} | {100 * run['mfu']:.1f}% | {_gib(mem['total'])} | "
+            f"{_gib(mem['temporaries'])} |"
+        )
+    return rows
+
+
+def _tpu_sources(r: dict) -> list[str]:
+    rows = ["| program | share of the estimate | JAX source (primitives) |", "|---|---|---|"]
+    for rep in (*r["rows"].get("kernel", []), *r["rows"].get("decode", []), *r["rows"].get("train", [])):
+        name = f"train step, `{rep['config']}` on {rep['topology']}" if "config" in rep else rep["program"]
+        for src in rep["top_sources"][:3]:
+            prims = sorted(src["primitives"].items(), key=lambda kv: -kv[1])[:2]
+            names = ", ".join(p for p, _ in prims)
+            rows.append(f"| {name} ({rep['chip']}) | {100 * src['share']:.1f}% | `{src['source']}` ({names}) |")
+    return rows
+
+
+def _tpu_calibration(r: dict) -> list[str]:
+    rows = ["| program | chip | compiler estimate | rate | share of the published limit |", "|---|---|---|---|---|"]
+    for c in r["rows"]["calibration"]:
+        rate = f"{c['rate'] / 1e12:,.1f} TFLOP/s" if "matmul" in c["program"] else f"{c['rate'] / 1e9:,.0f} GB/s"
+        rows.append(f"| {c['program']} | {c['chip']} | {_ms(c['estimate_s'])} | {rate} | {100 * c['share']:.0f}% |")
+    return rows
+
+
+# name -> (JSON file under benchmarks/results, renderer)
+TABLES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
+    "tpu_programs": ("tpu_programs.json", _tpu_programs),
+    "tpu_train": ("tpu_programs.json", _tpu_train),
+    "tpu_sources": ("tpu_programs.json", _tpu_sources),
+    "tpu_calibration": ("tpu_calibration.json", _tpu_calibration),
+}
+_BLOCK = re.compile(r"(<!-- table:([\w\-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
+
+
+def render(name: str, root: str = ".") -> str:
+    """Table ``name`` as markdown, with its source JSON and command under it."""
+    file, fn = TABLES[name]
+    with open(os.path.join(root, RESULTS, file)) as f:
+        data = json.load(f)
+    lines = fn(data)
+    lines += ["", f"From `{RESULTS}/{file}`, written by `{data['command']}`."]
+    return "\n".join(lines) + "\n"
+
+
+def regenerate(root: str = ".") -> dict[str, str]:
+    """{doc: new text} for every doc whose generated tables differ from their JSON."""
+    changed = {}
+    for doc in DOCS:
+        path = os.path.join(root, doc)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            text = f.read()
+
+        unknown = [m.group(2) for m in _BLOCK.finditer(text) if m.group(2) not in TABLES]
+        if unknown:
+            raise SystemExit(f"{doc}: no table named {unknown[0]!r} (known: {', '.join(TABLES)})")
+        new = _BLOCK.sub(lambda m: m.group(1) + render(m.group(2), root) + m.group(4), text)
+        if new != text:
+            changed[doc] = new
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="only report docs whose tables differ from their JSON")
+    a = ap.parse_args(argv)
+    changed = regenerate()
+    for doc, text in changed.items():
+        if a.check:
+            print(f"{doc}: a generated table differs from its JSON (run python -m benchmarks.tables)")
+        else:
+            with open(doc, "w") as f:
+                f.write(text)
+            print(f"rewrote the tables in {doc}")
+    return 1 if a.check and changed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

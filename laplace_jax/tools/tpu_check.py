@@ -1,0 +1,257 @@
+"""Compile this project's programs for a TPU topology on any machine (no TPU) and report what
+the TPU compiler says of each: memory per chip, its estimated time and where it goes, a
+hand-counted limit and the ratio (``laplace_jax.tpu``; every time is the compiler's estimate,
+not a measurement).
+
+    python -m laplace_jax.tools.tpu_check --topology v5e:1x1 --kernel                  # the 3B GLA layer
+    python -m laplace_jax.tools.tpu_check --topology v5p:1x1x1 --config configs/3b.py --decode 256
+    python -m laplace_jax.tools.tpu_check --topology v5e:1x1 --config configs/tiny.py --serve
+    python -m laplace_jax.tools.tpu_check --topology v5e:2x2 --config configs/tiny.py   # the train step
+
+--kernel      ``chunk_gla`` at a layer shape, forward and forward + backward (bf16 q/k/v, fp32 g).
+--decode W    the public ``decode_step`` at W sequences, bf16 weights and compute, the state
+              donated: once with the weights as plain bf16 arrays, once packed as serving packs
+              them (``pack_weights``).
+--serve       serving's programs for the config (bf16): prefill, every decode bucket, the sampler.
+--config C    alone: the sharded train step (as ``train.py --plan --topology``).
+Needs libtpu: ``pip install -e ".[tpu]"``. ``--out F`` writes the reports as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+SHAPES = {"3b": (4, 4096, 16, 96, 192), "small": (1, 256, 2, 32, 64)}  # B, T, H, K, V
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    if text in SHAPES:
+        return SHAPES[text]
+    try:
+        dims = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) != 5 or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"--shape is {' or '.join(SHAPES)} or B,T,H,K,V (five positive ints)")
+    return dims
+
+
+def _compile(fn, args, devices, donate=()):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.asarray(devices[:1]), ("x",))
+    placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), args)
+    return jax.jit(fn, donate_argnums=donate).lower(*placed).compile()
+
+
+def kernel_reports(chip, devices, shape: tuple[int, ...], chunk: int) -> list[dict[str, Any]]:
+    """``chunk_gla`` forward and forward + backward at ``shape`` on one chip, with the limits:
+    FLOPs 4KV + 2C(K+V) per token and head (x3 with the backward); bytes the inputs and output
+    (forward) plus, for the backward, the inputs again, the output's cotangent and the gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    from laplace_jax.ops.gla import chunk_gla
+    from laplace_jax.tpu import report
+
+    B, T, H, K, V = shape
+    args = [jax.ShapeDtypeStruct((B, T, H, d), jnp.bfloat16) for d in (K, K, V)]
+    args.append(jax.ShapeDtypeStruct((B, T, H, K), jnp.float32))
+    fwd = lambda q, k, v, g: chunk_gla(q, k, v, g, chunk_size=chunk)[0]  # noqa: E731
+    loss = lambda *a: fwd(*a).astype(jnp.float32).sum()  # noqa: E731
+    inputs = sum(a.size * a.dtype.itemsize for a in args)
+    out = B * T * H * V * 2
+    flops = B * T * H * (4 * K * V + 2 * chunk * (K + V))
+    where = f"chunk_gla B{B} T{T} H{H} K{K} V{V} chunk {chunk}"
+    return [
+        report(_compile(fwd, args, devices), chip, f"{where}, forward", flops=flops, bytes_=inputs + out),
+        report(
+            _compile(jax.grad(loss, argnums=(0, 1, 2, 3)), args, devices),
+            chip,
+            f"{where}, forward + backward",
+            flops=3 * flops,
+            bytes_=2 * inputs + 2 * out + inputs,
+        ),
+    ]
+
+
+def _serving_cfg(config):
+    return dataclasses.replace(config.model, dtype="bfloat16")
+
+
+def _weight_and_state_bytes(cfg, batch: int) -> tuple[int, int]:
+    """(bf16 bytes of every weight, bytes of ``batch`` sequences' state)."""
+    import jax
+
+    from laplace_jax.models.gla_lm import abstract_params, init_state
+
+    weights = sum(x.size * 2 for x in jax.tree.leaves(abstract_params(cfg)))
+    state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: init_state(cfg, batch))))
+    return weights, state
+
+
+def decode_reports(chip, devices, config, width: int) -> list[dict[str, Any]]:
+    """The public ``decode_step`` at ``width`` on one chip, bf16 weights (plain, then packed),
+    state donated. Limit: every weight read once and the state read and written once."""
+    import jax
+    import jax.numpy as jnp
+
+    from laplace_jax.models.gla_lm import abstract_params, count_params, decode_step, init_state, pack_weights
+    from laplace_jax.tpu import report
+
+    cfg = _serving_cfg(config)
+    bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
+    packed = jax.eval_shape(pack_weights, bf16)
+    state = jax.eval_shape(lambda: init_state(cfg, width))
+    tokens = jax.ShapeDtypeStruct((width,), jnp.int32)
+    weights, state_bytes = _weight_and_state_bytes(cfg, width)
+    flops = 2 * count_params(abstract_params(cfg)) * width
+    step = lambda p, t, s: decode_step(cfg, p, t, s)  # noqa: E731
+    return [
+        report(
+            _compile(step, (params, tokens, state), devices, donate=(2,)),
+            chip,
+            f"decode_step W={width}, {label}",
+            flops=flops,
+            bytes_=weights + 2 * state_bytes,
+        )
+        for label, params in (("bf16 weights", bf16), ("packed weights (pack_weights)", packed))
+    ]
+
+
+def serve_reports(chip, devices, config, max_num_seqs: int, buckets: str, prefill_chunk: int, steps: int):
+    """Serving's programs on ``devices`` (slots over a ``data`` mesh): prefill, each decode
+    bucket and the sampler, with per-chip limits (weights once, the state in and out)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from laplace_jax.models.gla_lm import abstract_params, count_params, pack_weights
+    from laplace_jax.sampling import penalize, sample_rows
+    from laplace_jax.serve.programs import serving_programs
+    from laplace_jax.serve.scheduler import make_buckets
+    from laplace_jax.serve.slot_programs import SlotLayout, row_template
+    from laplace_jax.tpu import report
+
+    cfg = _serving_cfg(config)
+    widths = make_buckets(buckets, max_num_seqs) or list(range(1, max_num_seqs + 1))
+    mesh = Mesh(np.asarray(devices), ("data",))
+    lay = SlotLayout(cfg, mesh, "threefry2x32", steps)
+    bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
+    params = jax.eval_shape(pack_weights, bf16)
+    n_params = count_params(abstract_params(cfg))
+    out = []
+    for name, width, fn, args, donate in serving_programs(lay, params, max_num_seqs, prefill_chunk, widths):
+        if name not in ("prefill", "decode"):
+            continue
+        rows, tokens = (1, prefill_chunk) if name == "prefill" else (width, steps)
+        weights, state = _weight_and_state_bytes(cfg, rows)
+        compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        what = f"{name} [{prefill_chunk} tokens x 1 row per chip]" if name == "prefill" else f"decode W={width}"
+        per_call = weights * (1 if name == "prefill" else steps) + 2 * state
+        out.append(report(compiled, chip, what, flops=2 * n_params * rows * tokens, bytes_=per_call))
+    W, V = max(widths), cfg.vocab_size
+    tpl = row_template(lay.prng, V)
+    rows = {k: jax.ShapeDtypeStruct((W, *s), d) for k, (s, d, _) in tpl.items()}
+
+    def sampler(logits, r):
+        keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
+        return sample_rows(penalize(logits, r), r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
+
+    logits = jax.ShapeDtypeStruct((W, V), jnp.float32)
+    row_bytes = sum(np.prod(s.shape) * s.dtype.itemsize for s in rows.values())
+    compiled = _compile(sampler, (logits, rows), devices)
+    out.append(report(compiled, chip, f"sampler W={W}", bytes_=W * V * 4 + row_bytes))
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m laplace_jax.tools.tpu_check",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every time printed is the TPU compiler's estimate (its cost model), never a measurement.",
+    )
+    ap.add_argument("--topology", default="v5e:1x1", help="TPU topology: v5e:1x1, v5e:2x2, v5p:1x1x1, v5p:2x2x4, ...")
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--kernel", action="store_true", help="chunk_gla at --shape, forward and forward + backward")
+    what.add_argument("--decode", type=int, metavar="W", help="decode_step at W sequences (needs --config)")
+    what.add_argument("--serve", action="store_true", help="serving's prefill, decode buckets and sampler (--config)")
+    ap.add_argument("--config", help="an ml_collections config file (e.g. configs/3b.py); alone: the train step")
+    ap.add_argument("--shape", type=_shape, default=SHAPES["3b"], help="--kernel: 3b, small or B,T,H,K,V")
+    ap.add_argument("--chunk", type=int, default=128, help="--kernel: chunk size")
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="--serve: decode slots per chip")
+    ap.add_argument("--buckets", default="pow2", help="--serve: decode bucket widths (pow2 or e.g. 1,4,8)")
+    ap.add_argument("--prefill-chunk", type=int, default=64, help="--serve: tokens per prefill call")
+    ap.add_argument("--steps-per-call", type=int, default=4, help="--serve: decode tokens per call")
+    ap.add_argument("--json", action="store_true", help="print the reports as JSON instead of text")
+    ap.add_argument("--out", help="also write the reports as JSON to this file")
+    return ap
+
+
+def run(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """The reports the arguments ask for (UserError for a mistake the user can fix)."""
+    from laplace_jax.config import load_run_config
+    from laplace_jax.errors import UserError
+    from laplace_jax.tpu import tpu_devices
+
+    if (a.decode is not None or a.serve) and not a.config:
+        raise UserError("--decode and --serve need --config (e.g. --config configs/3b.py)")
+    if not (a.kernel or a.config):
+        raise UserError("say what to compile: --kernel, or --config C with --decode W, --serve or alone (train step)")
+    chip, devices = tpu_devices(a.topology)
+    if a.kernel:
+        return kernel_reports(chip, devices, a.shape, a.chunk)
+    config = load_run_config(a.config)
+    if a.decode is not None:
+        return decode_reports(chip, devices, config, a.decode)
+    if a.serve:
+        buckets = a.buckets if a.buckets in ("pow2", "exact") else a.buckets.split(",")
+        return serve_reports(chip, devices, config, a.max_num_seqs, buckets, a.prefill_chunk, a.steps_per_call)
+    from laplace_jax.train.tpu_plan import tpu_plan
+
+    return [tpu_plan(config, a.topology)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the TPU devices are compile-only; nothing runs on a TPU
+    from laplace_jax.errors import UserError
+
+    try:
+        if a.config and not (a.kernel or a.serve or a.decode is not None):
+            import math
+
+            import jax
+
+            from laplace_jax.tpu import parse_topology
+
+            jax.config.update("jax_num_cpu_devices", math.prod(parse_topology(a.topology)[1]))
+        reports = run(a)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"topology": a.topology, "command": sys.argv, "reports": reports}, f, indent=2)
+    if a.json:
+        print(json.dumps(reports, indent=2))
+    else:
+        from laplace_jax.tpu import format_report
+        from laplace_jax.train.tpu_plan import format_tpu_plan
+
+        print("\n\n".join(format_tpu_plan(r) if "tpu_run" in r else format_report(r) for r in reports))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

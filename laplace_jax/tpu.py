@@ -1,0 +1,304 @@
+"""Compile for a TPU without a TPU, and read the TPU compiler's own estimate of the program.
+
+libtpu (``pip install -e ".[tpu]"``) holds the real TPU compiler; JAX builds a compile-only
+client from a topology description (``tpu_devices("v5e:2x2")``), so any jitted program lowers
+and compiles for those chips on a CPU machine. What the compiled program tells (``report``):
+- memory per chip (``memory_analysis``: the TPU's own buffer assignment) against the chip's HBM;
+- the compiler's estimated time: the sum of the ``estimated_cycles`` it writes on every fusion
+  and op (its cost model, the numbers its scheduler uses), each ``while`` body counted as many
+  times as the loop runs, over the chip's clock; grouped by the JAX source line and primitive
+  each op came from;
+- a hand-counted limit beside it (FLOPs over the bf16 peak, minimal bytes over HBM bandwidth)
+  and the ratio.
+It is the compiler's estimate, never a measurement. Ops without an estimate are listed, not
+counted as free: Mosaic (Pallas TPU) kernels carry none, nor do asynchronous copies and
+collectives; a figure that leaves them out says so.
+
+``cost_analysis()`` is not used: it counts a ``while`` body once (and its ``optimal_seconds``
+goes negative for looped programs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections import defaultdict
+from typing import Any
+
+from laplace_jax.errors import UserError
+from laplace_jax.hlo_stats import Module, loops, memory_report, shape_bytes
+
+LABEL = "TPU compiler estimate (its cost model's estimated_cycles), not a measurement"
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One TPU generation: published per-chip peaks, HBM, the clock that turns the cost model's
+    cycles into seconds, and the calibration measured here (``benchmarks/bench_tpu_calibration``)."""
+
+    name: str
+    device_kind: str
+    peak_bf16_tflops: float
+    hbm_gbps: float
+    hbm_gib: float
+    clock_ghz: float
+    host_bounds: tuple[int, int, int]  # chips per host, as the topology description wants them
+    calibrated: bool
+    accelerator_prefix: str  # Cloud TPU's accelerator type names: v5litepod-4, v5p-8 (cores), v6e-4
+
+    @property
+    def hbm_bytes(self) -> int:
+        return int(self.hbm_gib * 2**30)
+
+
+# Peaks and HBM: Google Cloud TPU documentation per generation. Clocks: the ones under which
+# an 8192^3 bf16 matmul estimates at ~90% of the published peak (tpu calibration benchmark).
+CHIPS = {
+    "v5e": Chip("v5e", "TPU v5 lite", 197.0, 819.0, 16.0, 1.5, (2, 2, 1), True, "v5litepod"),
+    "v5p": Chip("v5p", "TPU v5", 459.0, 2765.0, 95.0, 1.75, (2, 2, 1), True, "v5p"),
+    "v6e": Chip("v6e", "TPU v6 lite", 918.0, 1640.0, 32.0, 1.75, (2, 2, 1), False, "v6e"),
+}
+
+_TRIVIAL = {
+    "parameter", "tuple", "get-tuple-element", "constant", "bitcast", "after-all", "partition-id",
+    "replica-id", "opt-barrier", "while", "conditional", "call", "copy-done", "all-gather-done",
+    "all-reduce-done", "collective-permute-done", "async-done", "send-done", "recv-done",
+}  # fmt: skip
+
+
+def _require_libtpu(chip: Chip, n_chips: int) -> None:
+    """libtpu is there, and set up to compile without a TPU: one process may load it while
+    another does (its lock file otherwise refuses), and it is told the accelerator and the
+    (only) worker, which it otherwise tries to find from a TPU VM's metadata and warns about."""
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        import jax
+
+        raise UserError(
+            "compiling for TPU needs libtpu, which this environment lacks: "
+            f'pip install "jax[tpu]=={jax.__version__}" (or pip install -e ".[tpu]")'
+        )
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    cores = {"v5p": 2}.get(chip.name, 1) * n_chips
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{chip.accelerator_prefix}-{cores}")
+
+
+def parse_topology(name: str) -> tuple[Chip, tuple[int, ...]]:
+    """``"v5e:2x2"`` -> (the v5e Chip, (2, 2)); a clear error for an unknown chip or shape."""
+    chip, _, shape = name.partition(":")
+    if chip not in CHIPS:
+        raise UserError(f"unknown TPU {chip!r} in topology {name!r}; known: {', '.join(CHIPS)} (e.g. v5e:2x2)")
+    if not re.fullmatch(r"\d+(x\d+){1,2}", shape):
+        dims = "AxB (v5e, v6e)" if chip != "v5p" else "AxBxC"
+        raise UserError(f"topology {name!r} needs a chip grid after the colon, {dims}: e.g. v5e:2x2, v5p:2x2x4")
+    return CHIPS[chip], tuple(int(d) for d in shape.split("x"))
+
+
+def tpu_devices(topology: str) -> tuple[Chip, list[Any]]:
+    """(chip, devices) of a TPU topology, for ``Mesh`` and ``jax.jit(...).lower(...).compile()``;
+    no TPU needed. The devices only compile: nothing can be placed on them."""
+    chip, dims = parse_topology(topology)
+    _require_libtpu(chip, math.prod(dims))
+    from jax.experimental import topologies
+
+    bounds = tuple(min(b, d) for b, d in zip(chip.host_bounds, (*dims, 1, 1)[:3], strict=True))
+    try:
+        desc = topologies.get_topology_desc(
+            platform="tpu", topology_name=topology, chip_config_name="default", chips_per_host_bounds=bounds,
+            num_slices=1,
+        )  # fmt: skip
+    except Exception as e:  # libtpu's own words: an unsupported shape for this generation
+        raise UserError(f"libtpu does not build topology {topology!r}: {str(e).splitlines()[0]}") from e
+    return chip, list(desc.devices)
+
+
+def chip_of(devices: list[Any]) -> Chip:
+    """The Chip of TPU devices (``device_kind``)."""
+    kind = devices[0].device_kind
+    for chip in CHIPS.values():
+        if kind == chip.device_kind:
+            return chip
+    raise UserError(f"no chip facts for device kind {kind!r}; known: {', '.join(CHIPS)}")
+
+
+def out_of_memory(err: Exception) -> str | None:
+    """The compiler's own words when a program does not fit HBM, else None."""
+    text = str(err)
+    if "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text or ("exceeds" in text and "HBM" in text):
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        return next((ln for ln in lines if "memory" in ln.lower() or "hbm" in ln.lower()), lines[0])
+    return None
+
+
+def memory(compiled: Any, chip: Chip) -> dict[str, Any]:
+    """Per-chip bytes of a compiled program (TPU buffer assignment) against the chip's HBM."""
+    mem = memory_report(compiled)
+    return {**mem, "hbm": chip.hbm_bytes, "fits": bool(mem["total"] <= chip.hbm_bytes)}
+
+
+def _source(chain: list[tuple[str, str, int]]) -> str:
+    """The innermost frame in this package (else the innermost) as ``file:line function``."""
+    if not chain:
+        return "(no source)"
+    mine = [f for f in chain if f"{os.sep}laplace_jax{os.sep}" in f[0]]
+    file, func, line = (mine or chain)[0]
+    if mine:
+        file = file.split(f"{os.sep}laplace_jax{os.sep}", 1)[1]
+    return f"{os.path.basename(file) if not mine else file}:{line} {func}"
+
+
+def _primitive(op_name: str) -> str:
+    parts = [p for p in op_name.split("/") if p and not p.startswith("jit(")]
+    return parts[-1] if parts else "(unnamed)"
+
+
+def _origin(module: Module, ins: Any) -> tuple[str, int | None]:
+    """(op_name, stack frame) that names where ``ins`` came from. For a fusion: the most common
+    among its fused computation's computing instructions, ties to the one nearest the root (the
+    fusion's own metadata often names only the enclosing call)."""
+    if ins.opcode != "fusion":
+        return ins.op_name, ins.frame
+    body = dict(ins.callees()).get("calls")
+    skip = ("parameter", "constant", "bitcast", "broadcast", "tuple", "get-tuple-element")
+    named = [(i.op_name, i.frame) for i in module.computations.get(body, []) if i.op_name and i.opcode not in skip]
+    if not named:
+        return ins.op_name, ins.frame
+    counts: dict[tuple[str, int | None], int] = defaultdict(int)
+    for key in named:
+        counts[key] += 1
+    last = {key: pos for pos, key in enumerate(named)}
+    return max(counts, key=lambda key: (counts[key], last[key]))
+
+
+def _unestimated_kind(ins: Any) -> str | None:
+    """How to list an op that runs without an estimate, or None for bookkeeping and scalars."""
+    if ins.opcode == "custom-call" and "tpu_custom_call" in ins.rest:
+        m = re.search(r'kernel_name\\?"?[:=]\\?"?([\w.\-]+)', ins.rest)
+        return f"Mosaic kernel {m.group(1) if m else _primitive(ins.op_name)}"
+    if ins.opcode in _TRIVIAL or "AllocateBuffer" in ins.rest or re.fullmatch(r"\w+\[\]\S*", ins.type):
+        return None
+    target = re.search(r'custom_call_target="([^"]+)"', ins.rest)
+    return f"custom-call {target.group(1)}" if ins.opcode == "custom-call" and target else ins.opcode
+
+
+def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
+    """The compiler's estimated time of one run of a compiled TPU module (``compiled.as_text()``).
+
+    Returns seconds and cycles, the while loops with their trip counts, ``by_source`` (seconds
+    per ``file:line function`` of the JAX code each op came from, with its primitives), and
+    ``unestimated``: ops that run but carry no estimate (per opcode, Mosaic kernels by name: how
+    many times they run and the bytes of their results), so a reader knows what the sum leaves
+    out. Scalar bookkeeping (loop counters, tuples) is not listed."""
+    module = Module(hlo)
+    mult = module.multiplicities(control_only=True)
+    frames = module.frames()
+    cycles = 0.0
+    by_source: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    unestimated: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0})
+    for comp, instrs in module.computations.items():
+        factor = mult.get(comp, 0.0)
+        if not factor:
+            continue
+        for ins in instrs:
+            c = ins.cycles
+            if c is None:
+                kind = _unestimated_kind(ins)
+                if kind is not None:
+                    unestimated[kind]["count"] += factor
+                    unestimated[kind]["bytes"] += factor * shape_bytes(ins.type)
+                continue
+            cycles += factor * c
+            op_name, frame = _origin(module, ins)
+            src = _source(frames.get(frame, [])) if frame is not None else "(no source)"
+            src += " [backward]" if "transpose(" in op_name else ""
+            by_source[src][_primitive(op_name)] += factor * c / (chip.clock_ghz * 1e9)
+    seconds = cycles / (chip.clock_ghz * 1e9)
+    rows = sorted(
+        ({"source": s, "seconds": sum(p.values()), "primitives": dict(p)} for s, p in by_source.items()),
+        key=lambda r: -r["seconds"],
+    )
+    for r in rows:
+        r["share"] = r["seconds"] / seconds if seconds else 0.0
+    return {
+        "label": LABEL,
+        "seconds": seconds,
+        "cycles": cycles,
+        "clock_ghz": chip.clock_ghz,
+        "loops": loops(module),
+        "by_source": rows,
+        "unestimated": dict(sorted(unestimated.items(), key=lambda kv: -kv[1]["bytes"])),
+    }
+
+
+def limit(chip: Chip, *, flops: float = 0.0, bytes_: float = 0.0) -> dict[str, Any]:
+    """A hand-counted floor for one chip: FLOPs over the bf16 peak, minimal bytes over HBM
+    bandwidth; the larger bounds the program."""
+    compute, mem = flops / (chip.peak_bf16_tflops * 1e12), bytes_ / (chip.hbm_gbps * 1e9)
+    return {
+        "flops": flops,
+        "bytes": bytes_,
+        "compute_s": compute,
+        "memory_s": mem,
+        "seconds": max(compute, mem),
+        "bound": "compute" if compute >= mem else "memory",
+    }
+
+
+def report(compiled: Any, chip: Chip, what: str, *, flops: float = 0.0, bytes_: float = 0.0) -> dict[str, Any]:
+    """Everything one compiled TPU program tells: memory per chip, the compiler's estimated time
+    and its breakdown, a hand-counted limit (``flops``, ``bytes_`` per chip) and the ratio."""
+    est = estimate(compiled.as_text(), chip)
+    lim = limit(chip, flops=flops, bytes_=bytes_)
+    return {
+        "program": what,
+        "chip": chip.name,
+        "chip_calibrated": chip.calibrated,
+        "memory": memory(compiled, chip),
+        "estimate": est,
+        "limit": lim,
+        "estimate_over_limit": est["seconds"] / lim["seconds"] if lim["seconds"] else None,
+    }
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.3f} ms" if s < 10 else f"{s:,.2f} s"
+
+
+def format_report(rep: dict[str, Any], top: int = 8) -> str:
+    """One program's report as text: memory, the estimate (labelled), the limit, the top sources."""
+    mem, est, lim = rep["memory"], rep["estimate"], rep["limit"]
+    note = "" if rep["chip_calibrated"] else " (clock not calibrated for this chip: treat the time as rough)"
+    lines = [
+        f"{rep['program']} on TPU {rep['chip']}{note}",
+        f"  memory per chip    {_gib(mem['total'])} of {_gib(mem['hbm'])} HBM "
+        f"(arguments {_gib(mem['arguments'])}, temporaries {_gib(mem['temporaries'])}, outputs "
+        f"{_gib(mem['outputs'])}, {_gib(mem['aliased'])} aliased){'' if mem['fits'] else '  DOES NOT FIT'}",
+        f"  estimated time     {_ms(est['seconds'])}  [{LABEL}]",
+    ]
+    if lim["seconds"]:
+        lines.append(
+            f"  hand-counted limit {_ms(lim['seconds'])} ({lim['bound']}: {lim['flops'] / 1e9:,.1f} GFLOP -> "
+            f"{_ms(lim['compute_s'])}, {lim['bytes'] / 1e9:,.3f} GB -> {_ms(lim['memory_s'])}); "
+            f"estimate / limit {rep['estimate_over_limit']:.1f}x ({100 / rep['estimate_over_limit']:.0f}% of the limit)"
+        )
+    trips = [f"{lp['trips'] if lp['trips'] is not None else '?'}" for lp in est["loops"]]
+    if trips:
+        lines.append(f"  loops              {len(trips)} (trip counts {', '.join(trips)})")
+    if est["unestimated"]:
+        left = ", ".join(
+            f"{k} x{v['count']:g} ({v['bytes'] / 1e6:,.0f} MB)" for k, v in list(est["unestimated"].items())[:5]
+        )
+        lines.append(f"  not in the estimate {left}")
+    for r in est["by_source"][:top]:
+        prims = sorted(r["primitives"].items(), key=lambda kv: -kv[1])[:3]
+        names = ", ".join(f"{p} {100 * s / est['seconds']:.0f}%" for p, s in prims)
+        lines.append(f"  {100 * r['share']:5.1f}%  {r['source']}  ({names})")
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""The TPU tools where libtpu is absent (the main test environment): clear errors, the docs'
+generated TPU tables equal their JSON. The compiles themselves are in tests/test_tpu.py."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from laplace_jax.errors import UserError
+from laplace_jax.tpu import parse_topology
+
+
+def test_topology_names_are_checked_before_libtpu_is_needed():
+    chip, dims = parse_topology("v5p:2x2x4")
+    assert chip.name == "v5p" and dims == (2, 2, 4)
+    with pytest.raises(UserError, match=r"unknown TPU 'tpu7'.*known: v5e, v5p, v6e"):
+        parse_topology("tpu7:2x2")
+    with pytest.raises(UserError, match=r"e\.g\. v5e:2x2"):
+        parse_topology("v5e:two")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu is installed here")
+def test_without_libtpu_the_tool_says_how_to_install_it():
+    out = subprocess.run(
+        [sys.executable, "-m", "laplace_jax.tools.tpu_check", "--kernel", "--shape", "small"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "needs libtpu" in out.stderr and 'pip install -e ".[tpu]"' in out.stderr
+
+
+def test_topology_without_plan_is_refused_in_one_line():
+    cmd = [sys.executable, "train.py", "--config", "configs/tiny.py", "--topology", "v5e:2x2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "error: --topology goes with --plan" in out.stderr
+
+
+def test_docs_tables_equal_their_json(tmp_path):
+    """``benchmarks/tables.py --check`` passes on the repository and fails once a table is edited."""
+    ok = subprocess.run([sys.executable, "-m", "benchmarks.tables", "--check"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout
+    import shutil
+
+    shutil.copytree("benchmarks", tmp_path / "benchmarks", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "docs").mkdir()
+    with open("docs/tpu.md") as f:
+        text = f.read()
+    assert "| 93.0x |" in text
+    (tmp_path / "docs" / "tpu.md").write_text(text.replace("| 93.0x |", "| 9.3x |"))
+    bad = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tables", "--check"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert bad.returncode == 1 and "docs/tpu.md" in bad.stdout
