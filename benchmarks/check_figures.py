@@ -460,7 +460,7 @@ GLA_ROWS = (
     ("chunk64", "chunk, C=64"),
     ("chunk128", "chunk, C=128"),
     ("chunk256", "chunk, C=256"),
-    ("baseline128", "before (autodiff'd kernel), C=128"),
+    ("baseline128", "wave 3 kernel (16-row sub-blocks), C=128"),
     ("recurrent", "`recurrent_gla`"),
 )
 CLAIMS += [

@@ -69,6 +69,28 @@ def _tpu_sources(r: dict) -> list[str]:
     return rows
 
 
+def _program_rows(r: dict) -> dict[str, tuple[str, float, float | None]]:
+    """program name -> (TPU, estimated seconds, MFU or None) for every row of a tpu_programs JSON."""
+    out = {}
+    for rep in (*r["rows"].get("kernel", []), *r["rows"].get("decode", [])):
+        out[rep["program"]] = (rep["chip"], rep["estimate_s"], None)
+    for t in r["rows"].get("train", []):
+        out[f"train step, `{t['config']}`"] = (t["topology"], t["run"]["step_s"], t["run"]["mfu"])
+    return out
+
+
+def _tpu_before_after(r: dict) -> list[str]:
+    with open(os.path.join(os.path.dirname(r["_path"]), "tpu_baseline.json")) as f:
+        before = _program_rows(json.load(f))
+    rows = ["| program | TPU | before (wave 3) | now | now / before |", "|---|---|---|---|---|"]
+    for name, (chip, now_s, mfu) in _program_rows(r).items():
+        if name in before:
+            was = before[name]
+            mfus = f" (MFU {100 * was[2]:.1f}% -> {100 * mfu:.1f}%)" if mfu is not None else ""
+            rows.append(f"| {name} | {chip} | {_ms(was[1])} | {_ms(now_s)}{mfus} | {now_s / was[1]:.2f} |")
+    return rows
+
+
 def _tpu_calibration(r: dict) -> list[str]:
     rows = ["| program | chip | compiler estimate | rate | share of the published limit |", "|---|---|---|---|---|"]
     for c in r["rows"]["calibration"]:
@@ -83,6 +105,7 @@ TABLES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
     "tpu_train": ("tpu_programs.json", _tpu_train),
     "tpu_sources": ("tpu_programs.json", _tpu_sources),
     "tpu_calibration": ("tpu_calibration.json", _tpu_calibration),
+    "tpu_before_after": ("tpu_programs.json", _tpu_before_after),
 }
 _BLOCK = re.compile(r"(<!-- table:([\w\-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 
@@ -90,8 +113,10 @@ _BLOCK = re.compile(r"(<!-- table:([\w\-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re
 def render(name: str, root: str = ".") -> str:
     """Table ``name`` as markdown, with its source JSON and command under it."""
     file, fn = TABLES[name]
-    with open(os.path.join(root, RESULTS, file)) as f:
+    path = os.path.join(root, RESULTS, file)
+    with open(path) as f:
         data = json.load(f)
+    data["_path"] = path
     lines = fn(data)
     lines += ["", f"From `{RESULTS}/{file}`, written by `{data['command']}`."]
     return "\n".join(lines) + "\n"

@@ -6,10 +6,12 @@ The platform is whatever JAX picks (``JAX_PLATFORMS`` overrides). Neuron appears
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +43,26 @@ def on_gpu() -> bool:
 def on_neuron() -> bool:
     """Whether JAX's default backend is AWS Neuron (the jax-neuronx PJRT plugin, platform "neuron")."""
     return jax.default_backend() == "neuron"
+
+
+SYSTOLIC = ("tpu", "neuron")  # compilers for 128 x 128 matrix units: kernels keep 128-wide layouts there
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("compile_target", default=None)
+
+
+def compile_target() -> str:
+    """The platform programs traced now are built for: JAX's default backend, unless a deviceless
+    compile for another one is under way (``compiling_for``, used by the TPU tools)."""
+    return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def compiling_for(platform_name: str) -> Iterator[None]:
+    """Trace programs for ``platform_name`` (e.g. "tpu" from a CPU machine) inside the block."""
+    token = _TARGET.set(platform_name)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
 
 
 # Typed-key implementations a config or ``serve.py --prng-impl`` may name; "auto" picks per backend.

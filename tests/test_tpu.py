@@ -90,6 +90,9 @@ def test_the_kernel_report_names_its_sources_and_compares_with_the_limit():
         assert rep["estimate"]["seconds"] > 0 and rep["estimate_over_limit"] > 1
         assert "not a measurement" in rep["estimate"]["label"]
         assert any("ops/gla/" in r["source"] for r in rep["estimate"]["by_source"])
+        # traced for the TPU (platform.compiling_for): the kernel's full-width layout, not XLA:CPU's blocks
+        assert any("scores_full" in r["source"] for r in rep["estimate"]["by_source"])
+        assert not any("blocks" in r["source"] for r in rep["estimate"]["by_source"])
         assert abs(sum(r["share"] for r in rep["estimate"]["by_source"]) - 1) < 1e-9
     assert [lp["trips"] for lp in fwd["estimate"]["loops"]] == [4]  # 256 tokens / chunk 64
     assert both["estimate"]["seconds"] > fwd["estimate"]["seconds"]

@@ -2,6 +2,7 @@
 generated TPU tables equal their JSON. The compiles themselves are in tests/test_tpu.py."""
 
 import importlib.util
+import re
 import subprocess
 import sys
 
@@ -49,8 +50,9 @@ def test_docs_tables_equal_their_json(tmp_path):
     (tmp_path / "docs").mkdir()
     with open("docs/tpu.md") as f:
         text = f.read()
-    assert "| 93.0x |" in text
-    (tmp_path / "docs" / "tpu.md").write_text(text.replace("| 93.0x |", "| 9.3x |"))
+    ratio = re.search(r"\| (\d+\.\d)x \|", text)  # the first estimate / limit cell
+    assert ratio, "no generated ratio cell in docs/tpu.md"
+    (tmp_path / "docs" / "tpu.md").write_text(text.replace(ratio.group(0), "| 1.0x |", 1))
     bad = subprocess.run(
         [sys.executable, "-m", "benchmarks.tables", "--check"], capture_output=True, text=True, cwd=tmp_path
     )

@@ -51,7 +51,8 @@ class DevicePrograms:
         self.prefill_chunk, self.steps_per_call = prefill_chunk, steps_per_call
         self.mesh = Mesh(np.asarray(devices), ("data",))
         self.layout = SlotLayout(cfg, self.mesh, prng, steps_per_call)
-        self.params = jax.device_put(pack_weights(params), NamedSharding(self.mesh, P()))
+        on_cpu = devices[0].platform == "cpu"  # XLA:CPU needs bf16 weights as bits (pack_weights)
+        self.params = jax.device_put(pack_weights(params) if on_cpu else params, NamedSharding(self.mesh, P()))
         self.executables: dict[tuple[str, int], Any] = {}
         self.slots = self.new_slots()
         self.fresh = jax.device_put(

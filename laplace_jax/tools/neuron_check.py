@@ -4,7 +4,7 @@
 
 Traces, from abstract inputs (nothing allocated, nothing compiled), the FSDP train step with
 Muon on a fake CPU mesh of ``--devices`` devices, parameter init, forward, prefill, the decode
-step (bf16 weights as serving places them) and the serving sampler, all with the PRNG
+step (bf16 weights, as serving places them off CPU) and the serving sampler, all with the PRNG
 implementation Neuron gets ("auto" -> rbg). Every equation of every (nested) jaxpr is checked
 against the JAX NeuronX release notes' known issues:
 - ``lax.cond`` is not supported; only static loops (``lax.scan``; any ``while`` is reported);
@@ -90,7 +90,7 @@ def programs(config: RunConfig, prng: str) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
-    from laplace_jax.models.gla_lm import abstract_params, decode_step, forward, init_params, init_state, pack_weights
+    from laplace_jax.models.gla_lm import abstract_params, decode_step, forward, init_params, init_state
     from laplace_jax.models.gla_lm import prefill as prefill_fn
     from laplace_jax.platform import key_words
     from laplace_jax.sampling import sample_rows
@@ -102,7 +102,7 @@ def programs(config: RunConfig, prng: str) -> dict[str, Any]:
     cfg = config.model
     serving = dataclasses.replace(cfg, dtype="bfloat16")
     params = abstract_params(cfg)
-    bf16 = jax.eval_shape(pack_weights, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params))
+    bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params)  # as serving places them there
     W, P, V = 8, cfg.chunk_size, cfg.vocab_size
     ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731

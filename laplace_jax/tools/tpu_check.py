@@ -11,7 +11,7 @@ not a measurement).
 --kernel      ``chunk_gla`` at a layer shape, forward and forward + backward (bf16 q/k/v, fp32 g).
 --decode W    the public ``decode_step`` at W sequences, bf16 weights and compute, the state
               donated: once with the weights as plain bf16 arrays, once packed as serving packs
-              them (``pack_weights``).
+              them on CPU (``pack_weights``, XLA:CPU's workaround).
 --serve       serving's programs for the config (bf16): prefill, every decode bucket, the sampler.
 --config C    alone: the sharded train step (as ``train.py --plan --topology``).
 Needs libtpu: ``pip install -e ".[tpu]"``. ``--out F`` writes the reports as JSON.
@@ -47,9 +47,12 @@ def _compile(fn, args, devices, donate=()):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from laplace_jax.platform import compiling_for
+
     mesh = Mesh(np.asarray(devices[:1]), ("x",))
     placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), args)
-    return jax.jit(fn, donate_argnums=donate).lower(*placed).compile()
+    with compiling_for("tpu"):  # kernels trace their TPU layouts
+        return jax.jit(fn, donate_argnums=donate).lower(*placed).compile()
 
 
 def kernel_reports(chip, devices, shape: tuple[int, ...], chunk: int) -> list[dict[str, Any]]:
@@ -135,7 +138,8 @@ def serve_reports(chip, devices, config, max_num_seqs: int, buckets: str, prefil
     import numpy as np
     from jax.sharding import Mesh
 
-    from laplace_jax.models.gla_lm import abstract_params, count_params, pack_weights
+    from laplace_jax.models.gla_lm import abstract_params, count_params
+    from laplace_jax.platform import compiling_for
     from laplace_jax.sampling import penalize, sample_rows
     from laplace_jax.serve.programs import serving_programs
     from laplace_jax.serve.scheduler import make_buckets
@@ -146,16 +150,16 @@ def serve_reports(chip, devices, config, max_num_seqs: int, buckets: str, prefil
     widths = make_buckets(buckets, max_num_seqs) or list(range(1, max_num_seqs + 1))
     mesh = Mesh(np.asarray(devices), ("data",))
     lay = SlotLayout(cfg, mesh, "threefry2x32", steps)
-    bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
-    params = jax.eval_shape(pack_weights, bf16)
-    n_params = count_params(abstract_params(cfg))
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
+    n_params = count_params(abstract_params(cfg))  # serving places bf16 weights as they are off CPU
     out = []
     for name, width, fn, args, donate in serving_programs(lay, params, max_num_seqs, prefill_chunk, widths):
         if name not in ("prefill", "decode"):
             continue
         rows, tokens = (1, prefill_chunk) if name == "prefill" else (width, steps)
         weights, state = _weight_and_state_bytes(cfg, rows)
-        compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        with compiling_for("tpu"):
+            compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
         what = f"{name} [{prefill_chunk} tokens x 1 row per chip]" if name == "prefill" else f"decode W={width}"
         per_call = weights * (1 if name == "prefill" else steps) + 2 * state
         out.append(report(compiled, chip, what, flops=2 * n_params * rows * tokens, bytes_=per_call))
