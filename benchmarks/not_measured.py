@@ -46,6 +46,7 @@ NOT_MEASURED: dict[tuple[str, str], dict[str, str]] = {
         "110 GiB": "reference",
         "2.2 GiB": "derived",
         "13.6 GiB": "target",
+        "13.5 GiB": "history",
         "80 GB": "reference",
         "24 GiB": "reference",
     },

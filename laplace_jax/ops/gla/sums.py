@@ -1,5 +1,5 @@
-"""Direct sums and shifts along one axis, shared by the GLA kernels (``chunk.py``'s XLA kernel
-and the decay sums ``pallas.py`` computes before its kernels).
+"""Direct sums and shifts along one axis, for the decay sums ``pallas.py`` computes before its
+kernels (the XLA kernel forms its sums with 0/1 matrices, ``levels.sums``).
 
 Every cumulative sum here adds the terms themselves (a cumulative sum, flipped or shifted), never
 subtracts one cumulative sum from another: for same-sign terms (log-decays) nothing cancels.
