@@ -116,15 +116,6 @@ def tpu_devices(topology: str) -> tuple[Chip, list[Any]]:
     return chip, list(desc.devices)
 
 
-def chip_of(devices: list[Any]) -> Chip:
-    """The Chip of TPU devices (``device_kind``)."""
-    kind = devices[0].device_kind
-    for chip in CHIPS.values():
-        if kind == chip.device_kind:
-            return chip
-    raise UserError(f"no chip facts for device kind {kind!r}; known: {', '.join(CHIPS)}")
-
-
 def out_of_memory(err: Exception) -> str | None:
     """The compiler's own words when a program does not fit HBM, else None."""
     text = str(err)
