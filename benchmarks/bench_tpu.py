@@ -5,8 +5,8 @@
 
 Rows (each compiled by the real TPU compiler for a deviceless topology; every time is the
 compiler's estimate, not a measurement):
-- kernel:   ``chunk_gla`` at the 3B layer (B4 T4096 H16 K96 V192, bf16, chunk 128) on v5e,
-            forward and forward + backward, against the memory and FLOP limits;
+- kernel:   ``chunk_gla`` at the 3B layer (B4 T4096 H16 K96 V192, bf16, chunk 128) on v5e and
+            v5p, forward and forward + backward, against the memory and FLOP limits;
 - decode:   3B ``decode_step`` at W=256 on one v5p chip, bf16 weights as plain arrays and packed;
 - train:    ``configs/gla_340m.py`` at 16 x 2048 tokens, bf16, on v5e:2x2, and ``configs/3b.py``
             (Muon, FSDP over 16 chips) on v5p:2x2x4: step time, tokens/s, MFU, memory per chip;
@@ -120,8 +120,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res["libtpu"] = importlib.metadata.version("libtpu")
     t0 = time.perf_counter()
     if "kernel" in only:
-        chip, devices = tpu_devices("v5e:1x1")
-        res["rows"]["kernel"] = [_headline(r, a.top, a.full) for r in kernel_reports(chip, devices, SHAPES["3b"], 128)]
+        res["rows"]["kernel"] = []
+        for topology in ("v5e:1x1", "v5p:1x1x1"):
+            chip, devices = tpu_devices(topology)
+            reps = kernel_reports(chip, devices, SHAPES["3b"], 128)
+            res["rows"]["kernel"] += [_headline(r, a.top, a.full) for r in reps]
     if "decode" in only:
         chip, devices = tpu_devices("v5p:1x1x1")
         reps = decode_reports(chip, devices, load_run_config("configs/3b.py"), 256)

@@ -73,7 +73,7 @@ def _program_rows(r: dict) -> dict[str, tuple[str, float, float | None]]:
     """program name -> (TPU, estimated seconds, MFU or None) for every row of a tpu_programs JSON."""
     out = {}
     for rep in (*r["rows"].get("kernel", []), *r["rows"].get("decode", [])):
-        out[rep["program"]] = (rep["chip"], rep["estimate_s"], None)
+        out[f"{rep['program']} ({rep['chip']})"] = (rep["chip"], rep["estimate_s"], None)
     for t in r["rows"].get("train", []):
         out[f"train step, `{t['config']}`"] = (t["topology"], t["run"]["step_s"], t["run"]["mfu"])
     return out
