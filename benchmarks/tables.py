@@ -79,9 +79,8 @@ def _program_rows(r: dict) -> dict[str, tuple[str, float, float | None]]:
     return out
 
 
-def _tpu_before_after(r: dict) -> list[str]:
-    with open(os.path.join(os.path.dirname(r["_path"]), "tpu_baseline.json")) as f:
-        before = _program_rows(json.load(f))
+def _tpu_before_after(r: dict, baseline: dict) -> list[str]:
+    before = _program_rows(baseline)
     rows = ["| program | TPU | before (wave 3) | now | now / before |", "|---|---|---|---|---|"]
     for name, (chip, now_s, mfu) in _program_rows(r).items():
         if name in before:
@@ -99,26 +98,28 @@ def _tpu_calibration(r: dict) -> list[str]:
     return rows
 
 
-# name -> (JSON file under benchmarks/results, renderer)
-TABLES: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
-    "tpu_programs": ("tpu_programs.json", _tpu_programs),
-    "tpu_train": ("tpu_programs.json", _tpu_train),
-    "tpu_sources": ("tpu_programs.json", _tpu_sources),
-    "tpu_calibration": ("tpu_calibration.json", _tpu_calibration),
-    "tpu_before_after": ("tpu_programs.json", _tpu_before_after),
+# name -> (JSON files under benchmarks/results, renderer taking their contents in that order)
+TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
+    "tpu_programs": (("tpu_programs.json",), _tpu_programs),
+    "tpu_train": (("tpu_programs.json",), _tpu_train),
+    "tpu_sources": (("tpu_programs.json",), _tpu_sources),
+    "tpu_calibration": (("tpu_calibration.json",), _tpu_calibration),
+    "tpu_before_after": (("tpu_programs.json", "tpu_baseline.json"), _tpu_before_after),
 }
 _BLOCK = re.compile(r"(<!-- table:([\w\-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 
 
 def render(name: str, root: str = ".") -> str:
-    """Table ``name`` as markdown, with its source JSON and command under it."""
-    file, fn = TABLES[name]
-    path = os.path.join(root, RESULTS, file)
-    with open(path) as f:
-        data = json.load(f)
-    data["_path"] = path
-    lines = fn(data)
-    lines += ["", f"From `{RESULTS}/{file}`, written by `{data['command']}`."]
+    """Table ``name`` as markdown, with its source JSON files and their commands under it."""
+    files, fn = TABLES[name]
+    datas = []
+    for file in files:
+        with open(os.path.join(root, RESULTS, file)) as f:
+            datas.append(json.load(f))
+    lines = fn(*datas)
+    pairs = zip(files, datas, strict=True)
+    sources = "; ".join(f"`{RESULTS}/{file}`, written by `{d['command']}`" for file, d in pairs)
+    lines += ["", f"From {sources}."]
     return "\n".join(lines) + "\n"
 
 

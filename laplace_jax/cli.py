@@ -62,13 +62,9 @@ def plan_text(cfg: Any, topology: str | None, usd_per_chip_hour: float, as_json:
     import jax
 
     if topology:
-        import math
+        from laplace_jax.train.tpu_plan import format_tpu_plan, reserve_cpu_devices, tpu_plan
 
-        from laplace_jax.tpu import parse_topology
-        from laplace_jax.train.tpu_plan import format_tpu_plan, tpu_plan
-
-        # Muon's traffic report compiles its all-to-alls on as many fake CPU devices as chips
-        jax.config.update("jax_num_cpu_devices", math.prod(parse_topology(topology)[1]))
+        reserve_cpu_devices(topology)
         rep = tpu_plan(cfg, topology, usd_per_chip_hour)
         return json.dumps(rep, indent=2) if as_json else format_tpu_plan(rep)
     jax.config.update("jax_num_cpu_devices", max(1, cfg.mesh.data) * max(1, cfg.mesh.fsdp))

@@ -41,7 +41,9 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-def _compile(fn, args, devices, donate=()):
+def _compile(fn, args, devices=None, donate=()):
+    """Compile ``fn`` for the TPU: ``args`` placed on the first of ``devices``, or (None) with
+    the shardings they carry."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -49,10 +51,11 @@ def _compile(fn, args, devices, donate=()):
 
     from laplace_jax.platform import compiling_for
 
-    mesh = Mesh(np.asarray(devices[:1]), ("x",))
-    placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), args)
+    if devices is not None:
+        one = NamedSharding(Mesh(np.asarray(devices[:1]), ("x",)), P())
+        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), args)
     with compiling_for("tpu"):  # kernels trace their TPU layouts
-        return jax.jit(fn, donate_argnums=donate).lower(*placed).compile()
+        return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
 
 
 def kernel_reports(chip, devices, shape: tuple[int, ...], chunk: int) -> list[dict[str, Any]]:
@@ -139,7 +142,6 @@ def serve_reports(chip, devices, config, max_num_seqs: int, buckets: str, prefil
     from jax.sharding import Mesh
 
     from laplace_jax.models.gla_lm import abstract_params, count_params
-    from laplace_jax.platform import compiling_for
     from laplace_jax.sampling import penalize, sample_rows
     from laplace_jax.serve.programs import serving_programs
     from laplace_jax.serve.scheduler import make_buckets
@@ -158,8 +160,7 @@ def serve_reports(chip, devices, config, max_num_seqs: int, buckets: str, prefil
             continue
         rows, tokens = (1, prefill_chunk) if name == "prefill" else (width, steps)
         weights, state = _weight_and_state_bytes(cfg, rows)
-        with compiling_for("tpu"):
-            compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        compiled = _compile(fn, args, donate=donate)  # args carry the slots' shardings
         what = f"{name} [{prefill_chunk} tokens x 1 row per chip]" if name == "prefill" else f"decode W={width}"
         per_call = weights * (1 if name == "prefill" else steps) + 2 * state
         out.append(report(compiled, chip, what, flops=2 * n_params * rows * tokens, bytes_=per_call))
@@ -233,13 +234,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if a.config and not (a.kernel or a.serve or a.decode is not None):
-            import math
+            from laplace_jax.train.tpu_plan import reserve_cpu_devices
 
-            import jax
-
-            from laplace_jax.tpu import parse_topology
-
-            jax.config.update("jax_num_cpu_devices", math.prod(parse_topology(a.topology)[1]))
+            reserve_cpu_devices(a.topology)
         reports = run(a)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -30,6 +30,11 @@ SEED_TOKENS_PER_S = 119_934.0
 SEED_PARAMS = 3.028e9
 
 
+def is_seed_model(n_params: int) -> bool:
+    """Whether a model is Laplace 3B (parameters within 1% of the original team's count)."""
+    return abs(n_params / SEED_PARAMS - 1) < 0.01
+
+
 def wire_bytes(collectives: dict[str, dict[str, float]], n: int) -> dict[str, float]:
     """Bytes one device sends per step, by kind, for ``collective_bytes`` results (result shapes)
     under ring algorithms over ``n`` devices."""
@@ -89,7 +94,7 @@ def plan(config: RunConfig) -> dict[str, Any]:
     """Compile the sharded step for the config's mesh on fake CPU devices; report memory, traffic and cost."""
     trainer = Trainer(config)
     compiled = trainer.compile()
-    rep = _step_report(config, trainer, compiled)
+    rep = step_report(config, trainer, compiled)
     rep["device_memory"] = platform.device_memory_bytes(config.train.device_memory_gib)
     wire = sum(rep["wire_bytes_per_device"].values())
     rep["cost"] = estimate_cost(
@@ -99,12 +104,12 @@ def plan(config: RunConfig) -> dict[str, Any]:
         devices=rep["devices"],
         tokens_per_step=trainer.tokens_per_step,
         steps=trainer.steps,
-        with_seed=abs(trainer.n_params / SEED_PARAMS - 1) < 0.01,
+        with_seed=is_seed_model(trainer.n_params),
     )
     return rep
 
 
-def _step_report(config: RunConfig, trainer: Trainer, compiled: Any) -> dict[str, Any]:
+def step_report(config: RunConfig, trainer: Trainer, compiled: Any) -> dict[str, Any]:
     """Memory and collectives of the compiled step (what both plans print)."""
     mem = memory_report(compiled)
     n = trainer.mesh.devices.size

@@ -19,11 +19,21 @@ from laplace_jax.config import RunConfig
 from laplace_jax.errors import UserError
 from laplace_jax.platform import compiling_for
 from laplace_jax.tpu import LABEL, format_report, out_of_memory, report, tpu_devices
-from laplace_jax.train.plan import SEED_PARAMS, SEED_TOKENS_PER_S, _step_report, format_collectives
+from laplace_jax.train.plan import SEED_TOKENS_PER_S, format_collectives, is_seed_model, step_report
 from laplace_jax.train.trainer import Trainer
 
 SEED_CHIPS = 16  # one trn2.48xlarge: 16 Trainium2 chips (64 logical NeuronCores)
 KNOBS = "model.remat=full, more chips (a larger topology: mesh.fsdp), or a smaller micro-batch (train.grad_accum)"
+
+
+def reserve_cpu_devices(topology: str) -> None:
+    """Ask for as many fake CPU devices as the topology has chips, before JAX starts its backends:
+    Muon's traffic report (``optim.comm_report``) compiles its all-to-alls on them."""
+    import math
+
+    from laplace_jax.tpu import parse_topology
+
+    jax.config.update("jax_num_cpu_devices", math.prod(parse_topology(topology)[1]))
 
 
 def sized_mesh(config: RunConfig, chips: int) -> tuple[RunConfig, str]:
@@ -63,7 +73,7 @@ def tpu_plan(config: RunConfig, topology: str, usd_per_chip_hour: float = 0.0) -
         if oom is None:
             raise
         raise _does_not_fit(topology, f"the compiler says: {oom}") from None
-    rep = _step_report(config, trainer, compiled)
+    rep = step_report(config, trainer, compiled)
     n, tokens = len(devices), trainer.tokens_per_step
     flops_step = rep["flops_per_token"] * tokens
     tpu = report(compiled, chip, "train step", flops=flops_step / n)
@@ -91,7 +101,7 @@ def tpu_plan(config: RunConfig, topology: str, usd_per_chip_hour: float = 0.0) -
             "usd": chip_hours * usd_per_chip_hour,
         },
     )
-    if abs(trainer.n_params / SEED_PARAMS - 1) < 0.01:
+    if is_seed_model(trainer.n_params):
         rep["seed"] = {
             "tokens_per_s": SEED_TOKENS_PER_S,
             "chips": SEED_CHIPS,

@@ -171,10 +171,10 @@ def _levels_blocks(q: Array, k: Array, g: Array):
     q, k, g = (_pad(x, P) for x in (q, k, g))
     h = P // 2
     while h >= 1:
-        m = level_matrices(2 * h)  # one block of 2h rows: its top level is this level
+        m = level_matrices(h)  # head: inclusive sums within an upper half; tail: reverse exclusive in a lower
         g_lo, g_up = _halves(g, h)
-        e_head = jnp.exp(sums(m["head"][0, h:, h:], "rt,...tk->...rk", g_up))
-        e_tail = jnp.exp(sums(m["tail"][0, :h, :h], "rt,...tk->...rk", g_lo))
+        e_head = jnp.exp(sums(m["incl"], "rt,...tk->...rk", g_up))
+        e_tail = jnp.exp(sums(m["rev_excl"], "rt,...tk->...rk", g_lo))
         yield h, _halves(q, h)[1], _halves(k, h)[0], e_head, e_tail
         h //= 2
 
@@ -210,12 +210,12 @@ def scores_bwd_blocks(q: Array, k: Array, g: Array, dA: Array, scale: float, dty
     dAp = jnp.pad(dA, [(0, 0)] * (dA.ndim - 2) + [(0, P - C), (0, P - C)])
     dq = dk = dg = jnp.zeros((*q.shape[:-2], P, q.shape[-1]), f32)
     for h, qu, kl, eh, et in _levels_blocks(q, k, g):
-        m = level_matrices(2 * h)
+        m = level_matrices(h)
         dX = _extract(dAp, h)
         dq_up = scale * eh * dot("...nrs,...nsk->...nrk", dX, kl * et, dtype)
         dk_lo = scale * et * dot("...nrs,...nrk->...nsk", dX, qu * eh, dtype)
-        dg_up = sums(m["head"][0, h:, h:], "rt,...rk->...tk", qu * dq_up)
-        dg_lo = sums(m["tail"][0, :h, :h], "st,...sk->...tk", kl * dk_lo)
+        dg_up = sums(m["incl"], "rt,...rk->...tk", qu * dq_up)
+        dg_lo = sums(m["rev_excl"], "st,...sk->...tk", kl * dk_lo)
         dq, dk, dg = dq + _join(None, dq_up), dk + _join(dk_lo, None), dg + _join(dg_lo, dg_up)
     d = scale * jnp.diagonal(dA, axis1=-2, axis2=-1)[..., None]
     return dq[..., :C, :] + d * k, dk[..., :C, :] + d * q, dg[..., :C, :]
