@@ -84,7 +84,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--prefix-block",
         type=int,
         default=None,
-        help="prefix-cache block in tokens (default: lcm of 128 and --prefill-chunk; must be a multiple of it)",
+        help="prefix-cache block in tokens (default and unit: lcm of the model's chunk_size and --prefill-chunk)",
     )
     ap.add_argument(
         "--exact",
@@ -102,6 +102,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         choices=PRNG_IMPLS,
         help="sampling keys: auto = rbg on Neuron (its threefry support is incomplete), threefry2x32 elsewhere",
+    )
+    ap.add_argument(
+        "--profile-dir",
+        default=None,
+        help="enable POST /start_profile and /stop_profile: a jax.profiler trace written here "
+        "(view: tensorboard --logdir DIR, profile tab)",
     )
     ap.add_argument("--compile-cache-dir", default=None, help="persistent compile cache (JAX; Neuron's on Neuron)")
     ap.add_argument("--temperature", type=float, default=1.0, help="default sampling temperature")
@@ -214,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=a.max_body_bytes,
         body_timeout=a.body_timeout,
         drain_timeout=a.drain_timeout,
+        profile_dir=a.profile_dir,
+        on_ready=lambda line: print(f"{line} (http://{a.host}:{a.port})", flush=True),
     )
     print(
         f"serving {path} as {server.model_name!r} on http://{a.host}:{a.port} ({cfg.dtype} compute, "
@@ -236,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         print("  prefix cache: off" + (" (budget below one state)" if a.prefix_cache_bytes else ""))
     guarded = "/v1/* and /metrics" if a.protect_metrics else "/v1/*"
     print(f"  auth: {f'API key required on {guarded}' if a.api_key else 'off (no --api-key)'}")
+    if a.profile_dir:
+        print(f"  profiling: POST /start_profile and /stop_profile write traces to {a.profile_dir}")
     limits = {"header_timeout": a.header_timeout, "keep_alive": a.keep_alive, "max_connections": a.max_connections}
     make_uvicorn(server, a.host, a.port, **limits).run()
     return 0

@@ -5,6 +5,7 @@
     python train.py --config configs/3b.py --plan                 # compile for 64 devices, report
     python train.py --config configs/3b.py --plan --topology v5p:2x2x4   # the TPU compiler's view
     python train.py --config configs/3b.py --config.data.path=data/fineweb
+    python train.py --config configs/tiny.py --profile_steps 10:12  # trace; tensorboard --logdir runs/tiny/tb
 
 Rerunning the same command resumes from the newest checkpoint in --workdir. Multi-host: run one
 process per host with --coordinator_address/--num_processes/--process_id (or the JAX_*
@@ -30,6 +31,12 @@ flags.DEFINE_string(
     "and add the TPU compiler's estimated step time, tokens/s, MFU and the run's days and cost.",
 )
 flags.DEFINE_float("usd_per_chip_hour", 0.0, "With --plan --topology: price of one chip-hour for the run's cost.")
+flags.DEFINE_string(
+    "profile_steps",
+    None,
+    "FIRST:LAST: a jax.profiler trace of those steps (as the log numbers them, both included) into "
+    "<workdir>/tb; view it with tensorboard --logdir <workdir>/tb (profile tab) or XProf.",
+)
 flags.DEFINE_string("compile_cache_dir", None, "Persistent compile cache (JAX; Neuron's too on Neuron).")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 for multi-process runs.")
 flags.DEFINE_integer("num_processes", None, "Number of processes in a multi-process run.")
@@ -45,6 +52,13 @@ def main(argv):
     cfg = RunConfig.from_mapping(FLAGS.config)  # every block checked: a typo fails before anything compiles
     if FLAGS.topology and not FLAGS.plan:
         raise UserError("--topology goes with --plan (this machine compiles for a TPU but cannot run on one)")
+    profile_steps = None
+    if FLAGS.profile_steps:
+        from laplace_jax.profiling import parse_steps
+
+        if FLAGS.plan:
+            raise UserError("--profile_steps traces training steps; --plan compiles without running any")
+        profile_steps = parse_steps(FLAGS.profile_steps)
     if FLAGS.plan:
         print(cli.plan_text(cfg, FLAGS.topology, FLAGS.usd_per_chip_hour, FLAGS.json))
         return
@@ -63,7 +77,7 @@ def main(argv):
     from laplace_jax.train.loop import run
 
     name = os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS["config"])))[0]
-    run(cfg, FLAGS.workdir or os.path.join("runs", name))
+    run(cfg, FLAGS.workdir or os.path.join("runs", name), profile_steps=profile_steps)
 
 
 if __name__ == "__main__":

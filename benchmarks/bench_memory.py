@@ -17,11 +17,10 @@ on a CPU.
   the GLA kernel for one that keeps only its inputs, to see how much of a step is the kernel's.
 - ``decode``: one ``decode_step`` of W sequences (state donated), bytes accessed against the
   minimum (weights read once + the state read and written once) and temporaries against the
-  state. Caveat: XLA:CPU's cost analysis counts a while loop's body once, not once per
-  iteration, so with the layers scanned "bytes accessed" undercounts the 24 layers; the
-  temporaries are exact. XLA:CPU also upcasts bf16 dots to fp32 and hoists those converts out
-  of the layer loop (fp32 copies of the weights), so bf16 temporaries on CPU are not what a
-  GPU allocates; ``--compute-dtype float32 --weights-dtype float32`` is the CPU-native case.
+  state. The decode step's layer loop is unrolled, so the cost analysis counts every layer.
+  XLA:CPU upcasts bf16 dots to fp32 (one layer's weights at a time under the memory-ordered
+  schedule, ``laplace_jax/xla_flags.py``), so bf16 temporaries on CPU are not what a GPU
+  allocates; ``--packed`` compiles the weights as serving places them on CPU.
 """
 
 from __future__ import annotations
@@ -138,18 +137,21 @@ def step_report(config: str, batch: int, seq: int, dtype: str, remat: str, time_
     return rep
 
 
-def decode_report(
-    config: str, width: int, weights_dtype: str, compute_dtype: str | None, scan_layers: bool = True
-) -> dict:
+def decode_report(config: str, width: int, weights_dtype: str, compute_dtype: str | None, packed: bool) -> dict:
+    """The public ``decode_step`` compiled on CPU at ``width`` (state donated, nothing allocated):
+    temporaries and XLA's bytes accessed against the minimum (every weight once, the state in and
+    out). The layer loop is unrolled, so the cost analysis counts every layer. ``packed``: the
+    weights as serving places them on CPU (``pack_weights``)."""
     import dataclasses
 
     from laplace_jax.config import load_run_config
     from laplace_jax.models.gla_lm import abstract_params, decode_step, init_state, pack_weights
 
     cfg = load_run_config(config).model
-    cfg = dataclasses.replace(cfg, dtype=compute_dtype or cfg.dtype, scan_layers=scan_layers)
+    cfg = dataclasses.replace(cfg, dtype=compute_dtype or cfg.dtype)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(weights_dtype)), abstract_params(cfg))
-    params = jax.eval_shape(pack_weights, params)  # as serving places them
+    if packed:
+        params = jax.eval_shape(pack_weights, params)
     state = jax.eval_shape(lambda: init_state(cfg, width))
     token = jax.ShapeDtypeStruct((width,), jnp.int32)
     step = jax.jit(lambda p, t, s: decode_step(cfg, p, t, s), donate_argnums=(2,))
@@ -166,7 +168,7 @@ def decode_report(
         "width": width,
         "weights_dtype": weights_dtype,
         "compute_dtype": cfg.dtype,
-        "scan_layers": scan_layers,
+        "packed": packed,
         "weights_bytes": w_bytes,
         "state_bytes": s_bytes,
         "min_bytes": minimum,
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--weights-dtype", default="bfloat16")
     d.add_argument("--compute-dtype", default=None, help="override model.dtype (default: the config's)")
     d.add_argument(
-        "--unrolled", action="store_true", help="model.scan_layers=False (XLA's cost analysis then counts every layer)"
+        "--packed", action="store_true", help="weights as serving places them on CPU (pack_weights' uint16 bits)"
     )
     sm = sub.add_parser("sampler", help="the serving sampler's share of a decode step (cost analysis)")
     sm.add_argument("--config", required=True)
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         cols = ("W", "weights GB", "state GB", "min GB", "accessed GB", "x min", "temps GiB")
         print(" ".join(f"{c:>{max(6, len(c))}}" for c in cols))
         for w in a.width:
-            r = decode_report(a.config, w, a.weights_dtype, a.compute_dtype, not a.unrolled)
+            r = decode_report(a.config, w, a.weights_dtype, a.compute_dtype, a.packed)
             res["decode"].append(r)
             print(
                 f"{w:>6} {r['weights_bytes'] / 1e9:>10.2f} {r['state_bytes'] / 1e9:>8.2f} {r['min_bytes'] / 1e9:>6.2f} "

@@ -7,7 +7,10 @@ Rows (each compiled by the real TPU compiler for a deviceless topology; every ti
 compiler's estimate, not a measurement):
 - kernel:   ``chunk_gla`` at the 3B layer (B4 T4096 H16 K96 V192, bf16, chunk 128) on v5e and
             v5p, forward and forward + backward, against the memory and FLOP limits;
-- decode:   3B ``decode_step`` at W=256 on one v5p chip, bf16 weights as plain arrays and packed;
+- decode:   3B ``decode_step`` at W=256 on one v5p chip, bf16 weights as plain arrays and packed,
+            and serving's decode program at W=256 (4 tokens per call; the row adds per-token time);
+- prefill:  3B ``prefill`` of one prompt of 128, 512 and 2048 tokens on one v5p chip: tokens/s
+            against the FLOP limit;
 - train:    ``configs/gla_340m.py`` at 16 x 2048 tokens, bf16, on v5e:2x2, and ``configs/3b.py``
             (Muon, FSDP over 16 chips) on v5p:2x2x4: step time, tokens/s, MFU, memory per chip;
 - calibration (``--only calibration``): an 8192^3 bf16 matmul and a 1 GiB-in, 1 GiB-out fp32
@@ -25,7 +28,9 @@ from typing import Any
 
 from benchmarks.common import write_result
 
-ROWS = ("kernel", "decode", "train")
+ROWS = ("kernel", "decode", "prefill", "train")
+PREFILL_LENGTHS = (128, 512, 2048)
+SERVE_STEPS = 4  # serving's default tokens per decode call
 EXTRA = ("calibration",)  # not in the default set: its own JSON (tpu_calibration.json)
 TRAIN = (  # (config, topology, overrides)
     ("configs/gla_340m.py", "v5e:2x2", {"data": {"global_batch": 16}, "model": {"dtype": "bfloat16"}}),
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     jax.config.update("jax_num_cpu_devices", 16)  # Muon's traffic report for the 16-chip plan
     from laplace_jax.config import load_run_config
-    from laplace_jax.tools.tpu_check import SHAPES, decode_reports, kernel_reports
+    from laplace_jax.tools.tpu_check import SHAPES, decode_reports, kernel_reports, prefill_reports, serve_reports
     from laplace_jax.tpu import tpu_devices
 
     only = set(a.only.split(","))
@@ -129,6 +134,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         chip, devices = tpu_devices("v5p:1x1x1")
         reps = decode_reports(chip, devices, load_run_config("configs/3b.py"), 256)
         res["rows"]["decode"] = [_headline(r, a.top, a.full) for r in reps]
+        serve = serve_reports(chip, devices, load_run_config("configs/3b.py"), 256, ["256"], 512, SERVE_STEPS)
+        (rep,) = [r for r in serve if r["program"] == "decode W=256"]
+        row = _headline(rep, a.top, a.full)
+        row.update(program="serving decode W=256", steps_per_call=SERVE_STEPS)
+        row["per_token_s"] = rep["estimate"]["seconds"] / SERVE_STEPS
+        res["rows"]["decode"].append(row)
+    if "prefill" in only:
+        chip, devices = tpu_devices("v5p:1x1x1")
+        reps = prefill_reports(chip, devices, load_run_config("configs/3b.py"), list(PREFILL_LENGTHS))
+        res["rows"]["prefill"] = [
+            dict(_headline(r, a.top, a.full), tokens=r["tokens"], tokens_per_s=r["tokens_per_s"]) for r in reps
+        ]
     if "calibration" in only:
         res["rows"]["calibration"] = _calibration()
     if "train" in only:

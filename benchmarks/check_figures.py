@@ -17,6 +17,7 @@ import statistics
 import sys
 from collections.abc import Callable
 
+from benchmarks import tables
 from benchmarks.not_measured import NOT_MEASURED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,7 +157,6 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"| {r['impls']['chunk64']['fwd_bwd_s'] * 1e3:.0f} |"),
     ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"{r['impls']['chunk128']['fwd_bwd_speedup_over_recurrent']:.1f}x"),
     ("BENCHMARKS.md", "gla_cpu.json", lambda r: f"{r['matmul_peak_flops'] / 1e9:.0f} GFLOP/s"),
-    ("BENCHMARKS.md", "decode_memory_3b_fp32.json", _decode(256)),
     ("README.md", "import_memory.json", lambda r: f"{r['overhead_over_largest_shard']:.2f}x the largest shard"),
     ("BENCHMARKS.md", "checkpoint_3b.json", lambda r: f"| **{100 * r['seal_over_save']:.1f}%** |"),
     ("README.md", "checkpoint_3b.json", lambda r: f"takes {100 * r['seal_over_save']:.1f}% of the time"),
@@ -172,14 +172,8 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("BENCHMARKS.md", "muon_3b.json", lambda r: f"| {r['float32']['ns_busiest_over_mean']:.3f} | "),
     ("BENCHMARKS.md", "muon_3b.json", lambda r: f"| {r['float32']['ns_executed_over_mean']:.3f} |"),
     ("README.md", "muon_3b.json", lambda r: f"{r['float32']['ns_executed_over_mean']:.3f}x the mean NS FLOPs"),
-    ("BENCHMARKS.md", "decode_memory_3b_bf16.json", lambda r: f"| **{_decode(256)(r)}** | 7.55 GB |"),
     ("README.md", "decode_memory_3b_bf16.json", _decode(256)),
-    ("BENCHMARKS.md", "decode_memory_3b_bf16.json", lambda r: f"| {_decode(1)(r)} | 0.03 GB |"),
-    ("BENCHMARKS.md", "decode_memory_3b_bf16.json", lambda r: f"| {_decode(1024)(r)} | 30.20 GB |"),
-    ("BENCHMARKS.md", "decode_memory_3b_bf16w_fp32c.json", _decode(256)),
-    ("BENCHMARKS.md", "decode_memory_3b_fp32w_bf16c.json", _decode(256)),
     ("README.md", "decode_memory_3b_fp32.json", _decode(256)),
-    ("BENCHMARKS.md", "decode_memory_3b_fp32_before.json", _decode(256)),
     ("README.md", "plan_3b.json", lambda r: f"{r['memory_per_device']['total'] / GiB:.2f} GiB of 24 GiB"),
     ("BENCHMARKS.md", "plan_3b.json", lambda r: f"{r['memory_per_device']['temporaries'] / GiB:.2f} GiB"),
     (
@@ -537,29 +531,29 @@ CLAIMS += [
 ]
 
 
-def _decode_row(label: str, width: int, bold: bool, ratio: bool = False) -> Callable[[dict], str]:
-    """A decode-memory table row: "| label | W | temporaries | state |" (+ bytes over the minimum)."""
+def _decode_row(label: str, width: int, bold: bool = False) -> Callable[[dict], str]:
+    """A decode-memory table row: "| label | W | temporaries | state | bytes over the minimum |"."""
 
     def fmt(r: dict) -> str:
         d = next(d for d in r["decode"] if d["width"] == width)
         temp = f"{d['temporaries_bytes'] / GiB:.2f} GiB"
         temp = f"**{temp}**" if bold else temp
-        tail = f" {d['bytes_over_min']:.3f} |" if ratio else ""
-        return f"| {label} | {width:,} | {temp} | {d['state_bytes'] / 1e9:.2f} GB |{tail}"
+        return f"| {label} | {width:,} | {temp} | {d['state_bytes'] / 1e9:.2f} GB | {d['bytes_over_min']:.3f} |"
 
     return fmt
 
 
 DECODE_ROWS = (
-    ("decode_memory_3b_fp32_before.json", ("before (state as the layer scan's xs/ys)", 256, False, True)),
-    ("decode_memory_3b_fp32.json", ("now (state stack in the scan carry, updated in place)", 256, True, True)),
-    ("decode_memory_3b_fp32.json", ("now", 1, False, True)),
+    ("decode_memory_3b_fp32_before.json", ("before wave 3 (fp32 / fp32, state as the layer scan's xs/ys)", 256)),
+    ("decode_memory_3b_fp32.json", ("fp32 / fp32", 256, True)),
+    ("decode_memory_3b_fp32.json", ("fp32 / fp32", 1)),
     ("decode_memory_3b_bf16.json", ("bf16 / bf16 (accelerator serving)", 256, True)),
-    ("decode_memory_3b_bf16.json", ("bf16 / bf16", 1, False)),
-    ("decode_memory_3b_bf16.json", ("bf16 / bf16", 1024, False)),
+    ("decode_memory_3b_bf16.json", ("bf16 / bf16", 1)),
+    ("decode_memory_3b_bf16.json", ("bf16 / bf16", 1024)),
     ("decode_memory_3b_bf16w_fp32c.json", ("bf16 / fp32", 256, True)),
     ("decode_memory_3b_fp32w_bf16c.json", ("fp32 / bf16", 256, True)),
-    ("decode_memory_3b_fp32.json", ("fp32 / fp32 (table above)", 256, True)),
+    ("decode_memory_3b_bf16_packed.json", ("bf16 / bf16, packed (serving's CPU form)", 256, True)),
+    ("decode_memory_3b_bf16_concurrent_schedule.json", ("bf16 / bf16, XLA:CPU's default schedule", 256)),
 )
 CLAIMS += [("BENCHMARKS.md", f, _decode_row(*row)) for f, row in DECODE_ROWS]
 
@@ -791,18 +785,6 @@ CLAIMS += [
 CLAIMS.append(
     (
         "BENCHMARKS.md",
-        "decode_memory_3b_fp32_unrolled.json",
-        lambda r: (
-            f"`--unrolled`: {r['decode'][0]['bytes_accessed'] / 1e9:.0f} GB accessed, "
-            f"{r['decode'][0]['bytes_over_min']:.2f}x the minimum, {r['decode'][0]['temporaries_bytes'] / GiB:.1f} GiB"
-        ),
-    )
-)
-
-
-CLAIMS.append(
-    (
-        "BENCHMARKS.md",
         "decode_cost_prefix.json",
         lambda r: (
             f"median ratio {r['configs']['tiny']['ratio_median']:.3f} (tiny)\n  and "
@@ -869,31 +851,20 @@ CLAIMS += [
 ]
 
 
+_DECODE_MEMORY = ("### Decode step memory (3B, compiled on CPU, nothing allocated)",)
 # (document, result JSON) -> the headings of the sections allowed to quote its figures
 LOCATIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("BENCHMARKS.md", "checkpoint_3b.json"): ("## Checkpoint checksums (one device's share of the 3B state)",),
     ("README.md", "checkpoint_3b.json"): ("## Training",),
     ("README.md", "tests_cpu.json"): ("## Tests and CI",),
     ("BENCHMARKS.md", "decay_sweep.json"): ("### Gate gradient across decays",),
-    ("BENCHMARKS.md", "decode_memory_3b_bf16.json"): (
-        "### Decode step memory in the serving configuration (bf16 weights and compute)",
-    ),
-    ("BENCHMARKS.md", "decode_memory_3b_bf16w_fp32c.json"): (
-        "### Decode step memory in the serving configuration (bf16 weights and compute)",
-    ),
-    ("BENCHMARKS.md", "decode_memory_3b_fp32.json"): (
-        "### Decode step memory (3B, W=256, compiled on CPU, nothing allocated)",
-        "### Decode step memory in the serving configuration (bf16 weights and compute)",
-    ),
-    ("BENCHMARKS.md", "decode_memory_3b_fp32_unrolled.json"): (
-        "### Decode step memory (3B, W=256, compiled on CPU, nothing allocated)",
-    ),
-    ("BENCHMARKS.md", "decode_memory_3b_fp32_before.json"): (
-        "### Decode step memory (3B, W=256, compiled on CPU, nothing allocated)",
-    ),
-    ("BENCHMARKS.md", "decode_memory_3b_fp32w_bf16c.json"): (
-        "### Decode step memory in the serving configuration (bf16 weights and compute)",
-    ),
+    ("BENCHMARKS.md", "decode_memory_3b_bf16.json"): _DECODE_MEMORY,
+    ("BENCHMARKS.md", "decode_memory_3b_bf16w_fp32c.json"): _DECODE_MEMORY,
+    ("BENCHMARKS.md", "decode_memory_3b_fp32.json"): _DECODE_MEMORY,
+    ("BENCHMARKS.md", "decode_memory_3b_fp32_before.json"): _DECODE_MEMORY,
+    ("BENCHMARKS.md", "decode_memory_3b_fp32w_bf16c.json"): _DECODE_MEMORY,
+    ("BENCHMARKS.md", "decode_memory_3b_bf16_packed.json"): _DECODE_MEMORY,
+    ("BENCHMARKS.md", "decode_memory_3b_bf16_concurrent_schedule.json"): _DECODE_MEMORY,
     ("BENCHMARKS.md", "gla_cpu.json"): ("## GLA kernel (`chunk_gla`)", "## Training step"),
     ("BENCHMARKS.md", "memory_kernel_3b_layer.json"): ("### Kernel memory",),
     ("BENCHMARKS.md", "memory_kernel_3b_layer_autodiff.json"): ("### Kernel memory",),
@@ -1008,7 +979,8 @@ MEASURE = re.compile(
 
 
 def uncovered(root: str = ROOT, exempt: bool = True) -> list[tuple[str, str, str]]:
-    """(document, section heading, figure) for every number with a unit, outside code blocks, that
+    """(document, section heading, figure) for every number with a unit, outside code blocks and
+    the tables ``benchmarks/tables.py`` generates from JSON (checked by ``tables.py --check``), that
     no claim's quoted text covers and (with ``exempt``) ``not_measured.NOT_MEASURED`` does not
     list for its section: the figures still quoted without a JSON check."""
     out = []
@@ -1026,6 +998,7 @@ def uncovered(root: str = ROOT, exempt: bool = True) -> list[tuple[str, str, str
                 covered[at : at + len(quoted)] = b"\1" * len(quoted)
                 at = text.find(quoted, at + 1)
         fences = [m.span() for m in re.finditer(r"```.*?```", text, flags=re.S)]
+        fences += [m.span() for m in tables.BLOCK.finditer(text)]
         heads = sections(text)
         found = []
         for m in MEASURE.finditer(text):

@@ -36,8 +36,11 @@ def _tpu_programs(r: dict) -> list[str]:
     rows.append("|---|---|---|---|---|---|")
     for rep in (*r["rows"].get("kernel", []), *r["rows"].get("decode", [])):
         lim = rep["limit"]
+        name = rep["program"]
+        if "steps_per_call" in rep:  # one call decodes several tokens: say so, with the time per token
+            name += f", {rep['steps_per_call']} tokens per call ({_ms(rep['per_token_s'])} per token)"
         rows.append(
-            f"| {rep['program']} | {rep['chip']} | {_ms(rep['estimate_s'])} | {_ms(rep['limit_s'])} ({lim['bound']}) "
+            f"| {name} | {rep['chip']} | {_ms(rep['estimate_s'])} | {_ms(rep['limit_s'])} ({lim['bound']}) "
             f"| {rep['estimate_over_limit']:.1f}x | {_gib(rep['memory']['temporaries'])} |"
         )
     return rows
@@ -90,6 +93,18 @@ def _tpu_before_after(r: dict, baseline: dict) -> list[str]:
     return rows
 
 
+def _tpu_prefill(r: dict) -> list[str]:
+    rows = ["| prompt (1 row) | TPU | compiler estimate | tokens/s per chip | FLOP limit | share of the limit |"]
+    rows.append("|---|---|---|---|---|---|")
+    for p in r["rows"].get("prefill", []):
+        lim = p["limit"]
+        rows.append(
+            f"| {p['tokens']:,} tokens | {p['chip']} | {_ms(p['estimate_s'])} | {p['tokens_per_s']:,.0f} | "
+            f"{_ms(lim['compute_s'])} | {100 * lim['compute_s'] / p['estimate_s']:.0f}% |"
+        )
+    return rows
+
+
 def _tpu_calibration(r: dict) -> list[str]:
     rows = ["| program | chip | compiler estimate | rate | share of the published limit |", "|---|---|---|---|---|"]
     for c in r["rows"]["calibration"]:
@@ -103,10 +118,11 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "tpu_programs": (("tpu_programs.json",), _tpu_programs),
     "tpu_train": (("tpu_programs.json",), _tpu_train),
     "tpu_sources": (("tpu_programs.json",), _tpu_sources),
+    "tpu_prefill": (("tpu_programs.json",), _tpu_prefill),
     "tpu_calibration": (("tpu_calibration.json",), _tpu_calibration),
     "tpu_before_after": (("tpu_programs.json", "tpu_baseline.json"), _tpu_before_after),
 }
-_BLOCK = re.compile(r"(<!-- table:([\w\-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
+BLOCK = re.compile(r"(<!-- table:([\w\-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 
 
 def render(name: str, root: str = ".") -> str:
@@ -133,10 +149,10 @@ def regenerate(root: str = ".") -> dict[str, str]:
         with open(path) as f:
             text = f.read()
 
-        unknown = [m.group(2) for m in _BLOCK.finditer(text) if m.group(2) not in TABLES]
+        unknown = [m.group(2) for m in BLOCK.finditer(text) if m.group(2) not in TABLES]
         if unknown:
             raise SystemExit(f"{doc}: no table named {unknown[0]!r} (known: {', '.join(TABLES)})")
-        new = _BLOCK.sub(lambda m: m.group(1) + render(m.group(2), root) + m.group(4), text)
+        new = BLOCK.sub(lambda m: m.group(1) + render(m.group(2), root) + m.group(4), text)
         if new != text:
             changed[doc] = new
     return changed

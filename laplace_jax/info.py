@@ -28,9 +28,9 @@ def kv_cache_bytes(cfg: ModelConfig, tokens: int, bytes_per_elem: int = 2) -> in
 
 
 def state_bytes(cfg: ModelConfig) -> dict[str, int]:
-    """Bytes per sequence of each part of the recurrent state (from the real state pytree)."""
-    tree = jax.eval_shape(lambda: init_state(cfg, 1))
-    return {k: int(v.size) * jnp.dtype(v.dtype).itemsize for k, v in tree.items()}
+    """Bytes per sequence of each part of the recurrent state, all layers (from the real state pytree)."""
+    layers = jax.eval_shape(lambda: init_state(cfg, 1))
+    return {k: sum(int(s[k].size) * jnp.dtype(s[k].dtype).itemsize for s in layers) for k in layers[0]}
 
 
 def model_report(cfg: ModelConfig, kv_tokens: int = 8192) -> dict[str, Any]:

@@ -280,6 +280,8 @@ def format_report(rep: dict[str, Any], top: int = 8) -> str:
             f"{_ms(lim['compute_s'])}, {lim['bytes'] / 1e9:,.3f} GB -> {_ms(lim['memory_s'])}); "
             f"estimate / limit {rep['estimate_over_limit']:.1f}x ({100 / rep['estimate_over_limit']:.0f}% of the limit)"
         )
+    if "tokens_per_s" in rep:
+        lines.append(f"  tokens/s           {rep['tokens_per_s']:,.0f} per chip, from the estimate")
     trips = [f"{lp['trips'] if lp['trips'] is not None else '?'}" for lp in est["loops"]]
     if trips:
         lines.append(f"  loops              {len(trips)} (trip counts {', '.join(trips)})")

@@ -12,7 +12,7 @@ def test_every_quoted_figure_matches_its_json():
 def test_a_changed_figure_is_caught(tmp_path):
     root = _copy_repo(tmp_path)
     text = (root / "BENCHMARKS.md").read_text()
-    (root / "BENCHMARKS.md").write_text(text.replace("1.04 GiB", "0.98 GiB"))
+    (root / "BENCHMARKS.md").write_text(text.replace("0.27 GiB", "0.98 GiB"))
     bad = check(str(root))
     assert bad and all("decode_memory_3b_fp32.json" in b for b in bad)
 
@@ -52,7 +52,7 @@ def test_uncovered_lists_an_unbacked_figure_and_not_a_backed_one(tmp_path):
     (root / "BENCHMARKS.md").write_text(text + "\n## New section\n\nA step took 12.34 s and used 5.67 GiB.\n")
     added = [f for f in uncovered(str(root)) if f not in before]
     assert added == [("BENCHMARKS.md", "## New section", "12.34 s"), ("BENCHMARKS.md", "## New section", "5.67 GiB")]
-    assert not any(f[2] == "1.04 GiB" and "Decode step memory (3B" in f[1] for f in before)  # a claimed cell
+    assert not any(f[2] == "0.27 GiB" and "Decode step memory (3B" in f[1] for f in before)  # a claimed cell
 
 
 def test_every_number_with_a_unit_is_checked_or_declared():

@@ -126,8 +126,8 @@ def test_chunked_prefill_continues_state():
     a, s = prefill(cfg, params, tokens[:, :20])
     b, s = prefill(cfg, params, tokens[:, 20:], s)
     np.testing.assert_allclose(jnp.concatenate([a, b], 1), full, atol=1e-5 * float(jnp.abs(full).max()))
-    for key in s:
-        np.testing.assert_allclose(s[key], s_full[key], atol=1e-5)
+    for leaf, leaf_full in zip(jax.tree.leaves(s), jax.tree.leaves(s_full), strict=True):
+        np.testing.assert_allclose(leaf, leaf_full, atol=1e-5)
 
 
 BF16_LOGIT_BOUND = 3e-2  # RMS relative error of bf16-compute logits vs fp32 (README)
@@ -281,8 +281,8 @@ def test_padded_prefill_chunks_are_state_neutral():
         n = jnp.full((2,), max(0, min(P, 37 - start)), jnp.int32)
         logits, state = prefill(cfg, params, chunk, state, n)
     np.testing.assert_allclose(logits[:, 37 - 32 - 1], want_logits[:, -1], atol=1e-5)
-    for key in want:
-        np.testing.assert_allclose(state[key], want[key], atol=1e-5)
+    for leaf, leaf_want in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(leaf, leaf_want, atol=1e-5)
 
 
 @pytest.mark.parametrize("weights", ["bfloat16", "float32"])

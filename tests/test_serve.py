@@ -3,6 +3,7 @@
 import concurrent.futures
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -51,6 +52,21 @@ def test_completions_stream_and_chat(srv):
     )
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason in ("stop", "length")
     assert [m.id for m in c.models.list().data] == ["tiny"]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(srv):
+    """vLLM's benchmark client streams chat with stream_options {include_usage, continuous_usage_stats}."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        srv.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0,
+            stream=True, stream_options=opts, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    counts = [ch.usage.completion_tokens for ch in chunks]
+    assert all(ch.usage is not None for ch in chunks)
+    assert counts == sorted(counts) and counts[-1] == 8 and chunks[-1].choices == []
+    assert len({ch.usage.prompt_tokens for ch in chunks}) == 1
 
 
 def test_chat_content_and_its_stream_are_the_models_greedy_text(srv):
@@ -318,7 +334,9 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
         finished = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert finished[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM once it has drained
-        assert "(float32 compute, float32 weights, exact)" in proc.stdout.read()
+        out = proc.stdout.read()
+        assert "(float32 compute, float32 weights, exact)" in out
+        assert re.search(r"^ready: \d+ programs compiled in [\d.]+ s \(http://127\.0\.0\.1:\d+\)$", out, re.M), out
     finally:
         proc.kill()
 

@@ -56,7 +56,7 @@ def test_eight_devices_equal_one_device_token_for_token():
     assert eight.compiles.total("warmup") > 0
     # one executable per bucket: the decode programs span all 8 devices
     ex = eight.programs.get("decode", 2)
-    assert len(ex.input_shardings[0][1]["model"]["gla"].device_set) == 8
+    assert len(ex.input_shardings[0][1]["model"][0]["gla"].device_set) == 8
 
 
 def test_requests_go_to_the_least_loaded_device_and_compact_per_device():

@@ -113,6 +113,44 @@ def test_the_tiny_decode_and_serve_programs_report(tmp_path):
     assert all(r["estimate"]["seconds"] > 0 and r["limit"]["seconds"] > 0 for r in reps)
 
 
+def test_decode_writes_each_layers_state_once_and_reads_no_stack():
+    """On the TPU compile of the tiny decode step, every layer's state is written by exactly one
+    op (the fused update, which also yields the output), in place of the donated buffer: no
+    dynamic-update-slice into a state stack and no state-sized temporary."""
+    from laplace_jax.config import load_run_config
+    from laplace_jax.models.gla_lm import abstract_params, decode_step, init_state
+    from laplace_jax.tools.tpu_check import _compile, _serving_cfg
+
+    cfg = _serving_cfg(load_run_config("configs/tiny.py"))
+    _, devices = tpu_devices("v5e:1x1")
+    bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
+    state = jax.eval_shape(lambda: init_state(cfg, 8))
+    step = lambda p, t, s: decode_step(cfg, p, t, s)  # noqa: E731
+    compiled = _compile(step, (bf16, jax.ShapeDtypeStruct((8,), jnp.int32), state), devices, donate=(2,))
+    hlo = compiled.as_text()
+    entry = hlo[hlo.index("ENTRY") :].splitlines()
+    shape = "f32[" + ",".join(map(str, state[0]["gla"].shape)) + "]"
+    out_type = lambda line: line.split("=", 1)[1].split(" fusion(")[0]  # noqa: E731
+    writers = [line for line in entry if " fusion(" in line and shape in out_type(line)]
+    assert len(writers) == cfg.n_layers, writers
+    assert all(out_type(line).lstrip().startswith("(") for line in writers)  # (output, new state): one pass
+    assert not any("dynamic-update-slice" in line and shape in line for line in entry)
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    assert compiled.memory_analysis().temp_size_in_bytes < state_bytes
+
+
+def test_prefill_report_gives_tokens_per_second_per_length():
+    from laplace_jax.config import load_run_config
+    from laplace_jax.tools.tpu_check import prefill_reports
+
+    chip, devices = tpu_devices("v5e:1x1")
+    reps = prefill_reports(chip, devices, load_run_config("configs/tiny.py"), [64, 256])
+    assert [r["tokens"] for r in reps] == [64, 256]
+    for r in reps:
+        assert r["tokens_per_s"] == r["tokens"] / r["estimate"]["seconds"]
+        assert r["limit"]["flops"] > 0 and r["estimate_over_limit"] > 0
+
+
 def test_train_plan_for_a_topology_prints_the_estimate_and_the_run(tmp_path):
     """``train.py --plan --topology`` on the tiny config: the TPU report, MFU, the run's days and
     cost at the given price; the JSON has the same fields."""

@@ -57,3 +57,22 @@ def test_docs_tables_equal_their_json(tmp_path):
         [sys.executable, "-m", "benchmarks.tables", "--check"], capture_output=True, text=True, cwd=tmp_path
     )
     assert bad.returncode == 1 and "docs/tpu.md" in bad.stdout
+
+
+@pytest.mark.parametrize(
+    ("data", "fsdp", "want"),
+    [(-1, 1, (-1, 1)), (1, -1, (1, -1)), (2, 8, (2, 2)), (3, -1, (1, 4)), (-1, 3, (1, 4)), (4, 1, (4, 1))],
+)
+def test_the_plans_mesh_is_sized_to_the_chips(data, fsdp, want):
+    """-1 takes the chips the other axis leaves (data=-1, fsdp=1 on 4 chips is pure data
+    parallelism, not fsdp over 4); sizes that do not multiply to the chips are resized."""
+    import dataclasses
+
+    from laplace_jax.config import load_run_config
+    from laplace_jax.train.tpu_plan import sized_mesh
+
+    config = load_run_config("configs/tiny.py")
+    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, data=data, fsdp=fsdp))
+    sized, note = sized_mesh(config, 4)
+    assert (sized.mesh.data, sized.mesh.fsdp) == want
+    assert bool(note) == (want != (data, fsdp))

@@ -104,9 +104,12 @@ class GatedRMSNorm(nn.Module):
 class ShortConv(nn.Module):
     """Depthwise causal convolution of width W followed by SiLU (fla ``ShortConvolution``).
 
-    kernel: [W, D]; kernel[W - 1] multiplies the current token. ``cache``: [B, W, D], the last W
-    raw inputs, newest last (zeros for a fresh sequence). ``lengths_B``: only the first lengths[b]
-    inputs of row b are real (the new cache ends at the last real one). Returns (y, new cache).
+    kernel: [W, D]; kernel[W - 1] multiplies the current token. ``cache``: [B, W * D], the last W
+    raw inputs, oldest first, flattened (zeros for a fresh sequence): flat, every tap is a slice
+    of the minor axis at a multiple of D, which the one-token step reads and shifts without the
+    [.., W, D] tiles' relayouts (on the TPU compiler, 24 layers' v convolutions at the 3B config,
+    W=256: 1.29 ms -> 0.48 ms estimated). ``lengths_B``: only the first lengths[b] inputs of row b
+    are real (the new cache ends at the last real one). Returns (y, new cache).
     """
 
     width: int
@@ -114,22 +117,29 @@ class ShortConv(nn.Module):
     init_std: float = 0.02
 
     @nn.compact
-    def __call__(
-        self, x_BxTxD: Array, cache_BxWxD: Array | None, lengths_B: Array | None = None
-    ) -> tuple[Array, Array]:
+    def __call__(self, x_BxTxD: Array, cache_BxWD: Array | None, lengths_B: Array | None = None) -> tuple[Array, Array]:
         B, T, D = x_BxTxD.shape
         W = self.width
         kernel = sharded_param(self, "kernel", nn.initializers.normal(self.init_std), (W, D), ("conv", "heads"))
-        if cache_BxWxD is None:
-            cache_BxWxD = jnp.zeros((B, W, D), self.dtype)
-        full = jnp.concatenate([cache_BxWxD.astype(self.dtype), x_BxTxD.astype(self.dtype)], axis=1)  # [B, W+T, D]
         k = gathered(kernel, ("conv", "heads"), self.dtype)
+        if cache_BxWD is None:
+            cache_BxWD = jnp.zeros((B, W * D), self.dtype)
+        cache_BxWD = cache_BxWD.astype(self.dtype)
+        if T == 1:  # the decode step: taps are slices of the flat cache
+            x_BxD = x_BxTxD[:, 0].astype(self.dtype)
+            taps = [cache_BxWD[:, w * D : (w + 1) * D] for w in range(1, W)] + [x_BxD]
+            y = sum(taps[w] * k[w] for w in range(W))[:, None]
+            new = jnp.concatenate([cache_BxWD[:, D:], x_BxD], axis=1)
+            if lengths_B is not None:  # a padding token leaves the cache as it was
+                new = jnp.where(lengths_B[:, None] > 0, new, cache_BxWD)
+            return jax.nn.silu(y), new
+        full = jnp.concatenate([cache_BxWD.reshape(B, W, D), x_BxTxD.astype(self.dtype)], axis=1)  # [B, W+T, D]
         y = sum(full[:, 1 + w : 1 + w + T] * k[w] for w in range(W))
         if lengths_B is None:
-            return jax.nn.silu(y), full[:, -W:]
+            return jax.nn.silu(y), full[:, -W:].reshape(B, W * D)
         # Only the first lengths[b] inputs are real: the cache is the W inputs ending there.
         cache = jax.vmap(lambda f, n: jax.lax.dynamic_slice_in_dim(f, n, W, axis=0))(full, lengths_B)
-        return jax.nn.silu(y), cache
+        return jax.nn.silu(y), cache.reshape(B, W * D)
 
 
 class SwiGLU(nn.Module):

@@ -4,12 +4,20 @@
     prefill(cfg, params, tokens [B, T], state=None)  -> (logits [B, T, V], state)
     decode_step(cfg, params, token [B], state)       -> (logits [B, V], state)
 
-All three share one parameter tree. Layers are stacked on a leading axis of size n_layers and
-run with ``nn.scan`` (compile time flat in depth), optionally rematerialised. The per-sequence
-state is a dict of stacked arrays: ``gla`` [L, B, H, dk, dv] float32 and, with short conv,
-``conv_q`` / ``conv_k`` / ``conv_v`` [L, B, W, channels] in the compute dtype. The stack rides
-in the scan's carry and each layer updates its own slice in place (dynamic-update-slice), so a
-donated state is read and written once per step with no state-sized copy.
+All three share one parameter tree; layer weights are stacked on a leading axis of size
+n_layers. ``forward`` and ``prefill`` run the layers with ``nn.scan`` (compile time flat in
+depth), optionally rematerialised.
+
+The per-sequence state is a tuple of n_layers dicts, one per layer: ``gla`` [B, H, dk, dv]
+float32 and, with short conv, ``conv_q`` / ``conv_k`` / ``conv_v`` [B, W * channels] in the
+compute dtype (the last W inputs, oldest first, flattened: ``layers.common.ShortConv``).
+Every leaf is its own buffer because ``decode_step`` runs the layers as an unrolled loop, and a
+layer whose state is a buffer of its own updates it in one pass: the new state and the output read
+from it are one fusion that reads the donated state once and writes it once in place. Slices of
+one stacked buffer cannot do that (the TPU compiler splits the update into a dynamic-update-slice
+and a second read for the output: 3 passes over the state, 34% of its bandwidth floor against 64%
+for per-layer buffers at the 3B config, W=256, v5p, compiler estimates). ``prefill`` stacks the
+tuple for its scan and splits it again: a copy of the state, small beside the prompt's compute.
 """
 
 from __future__ import annotations
@@ -26,18 +34,21 @@ from laplace_jax.parallel import constrain
 Array = jax.Array
 Params = dict
 
-State = dict[str, Array]
+LayerState = dict[str, Array]  # one layer's state: gla [B, H, dk, dv] fp32, conv_* [B, W * channels]
+State = tuple[LayerState, ...]  # n_layers of them
+Stack = dict[str, Array]  # the same leaves stacked on a leading layer axis, inside the layer scan
 
 
 def pack_weights(params: Params) -> Params:
-    """bf16 layer weights as their uint16 bits: the form in which XLA:CPU runs ``prefill`` and
-    ``decode_step`` without a weight-sized copy. A CPU workaround: pack once where the weights
-    are placed on CPU devices (serving does); other backends take the bf16 weights as they are.
+    """bf16 layer weights as their uint16 bits: the form in which XLA:CPU runs ``prefill`` (the
+    scanned layers) without a weight-sized copy. A CPU workaround: pack once where the weights
+    are placed on CPU devices (serving does); other backends take the bf16 weights as they are,
+    and so does ``decode_step`` on every backend (its layer loop is unrolled; both forms work).
 
     XLA:CPU widens a bf16 array that is sliced inside a loop to f32 as a whole, and the
     widening of the loop-invariant stack is hoisted out of the layer loop: an f32 copy of every
-    layer's weights at once (10.7 GiB of temporaries for the 3B decode step at W=256). Integer
-    bits are never widened; the model turns each layer's slice back into bf16 inside the loop.
+    layer's weights at once (10.2 GiB of temporaries for the 3B prefill of one 512-token row).
+    Integer bits are never widened; the model turns each layer's slice back into bf16 inside the loop.
     A bitcast inside the jitted step would not help: it materialises a copy of its own (on the
     TPU compiler, a weight-sized temporary and 44% of the 3B decode step's estimate)."""
     to_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x  # noqa: E731
@@ -56,28 +67,40 @@ def _unpack(variables: dict) -> dict:
 
 
 class Block(nn.Module):
-    """Pre-norm block: x += GLA(RMSNorm(x)); x += SwiGLU(RMSNorm(x))."""
+    """Pre-norm block: x += GLA(RMSNorm(x)); x += SwiGLU(RMSNorm(x)).
+
+    ``__call__`` is the body of the scan over stacked layers (prefill and training); ``step`` is
+    one layer on its own state (``decode_step``'s unrolled layer loop)."""
 
     cfg: ModelConfig
 
-    @nn.compact
-    def __call__(self, carry: tuple[Array, Array | None, State | None], layer: Array) -> tuple[tuple, None]:
-        """carry: (x [B, T, D], lengths [B] or None, the whole state stack or None); layer: this layer's index."""
-        x_BxTxD, lengths_B, stack = carry
+    def setup(self) -> None:
         cfg = self.cfg
         dt = cfg.compute_dtype
-        x_BxTxD = constrain(x_BxTxD, ("batch", "length", "act_embed"))
+        self.attn_norm = RMSNorm(cfg.norm_eps, dt)
+        self.attn = GatedLinearAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.norm_eps, dt)
+        self.mlp = SwiGLU(cfg.intermediate_size, dtype=dt, init_std=cfg.init_std)
+
+    def __call__(self, carry: tuple[Array, Array | None, Stack | None], layer: Array) -> tuple[tuple, None]:
+        """carry: (x [B, T, D], lengths [B] or None, the stacked state or None); layer: this layer's index."""
+        x_BxTxD, lengths_B, stack = carry
         state = (
             None if stack is None else jax.tree.map(lambda s: jax.lax.dynamic_index_in_dim(s, layer, 0, False), stack)
         )
-        attn = GatedLinearAttention(cfg, name="attn")
-        h, state = attn(RMSNorm(cfg.norm_eps, dt, name="attn_norm")(x_BxTxD), state, lengths_B)
+        x_BxTxD, state = self.step(x_BxTxD, lengths_B, state)
         if stack is not None:
             stack = jax.tree.map(lambda s, n: jax.lax.dynamic_update_index_in_dim(s, n, layer, 0), stack, state)
-        x_BxTxD = x_BxTxD + h
-        mlp = SwiGLU(cfg.intermediate_size, dtype=dt, init_std=cfg.init_std, name="mlp")
-        x_BxTxD = x_BxTxD + mlp(RMSNorm(cfg.norm_eps, dt, name="mlp_norm")(x_BxTxD))
         return (x_BxTxD, lengths_B, stack), None
+
+    def step(
+        self, x_BxTxD: Array, lengths_B: Array | None, state: LayerState | None
+    ) -> tuple[Array, LayerState | None]:
+        """One layer: x [B, T, D] and this layer's state (or None) -> (x, its new state)."""
+        x_BxTxD = constrain(x_BxTxD, ("batch", "length", "act_embed"))
+        h, state = self.attn(self.attn_norm(x_BxTxD), state, lengths_B)
+        x_BxTxD = x_BxTxD + h
+        return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), state
 
 
 class GLALM(nn.Module):
@@ -86,18 +109,14 @@ class GLALM(nn.Module):
     cfg: ModelConfig
     packed: bool = False  # bf16 layer weights passed as uint16 bits (``pack_weights``)
 
-    @nn.compact
-    def __call__(
-        self, tokens_BxT: Array, state: State | None, lengths_B: Array | None = None
-    ) -> tuple[Array, State | None]:
+    def setup(self) -> None:
         cfg = self.cfg
         dt = cfg.compute_dtype
-        table_VxD = Embedding(cfg.vocab_size, cfg.d_model, dt, cfg.init_std, name="embeddings")()
-        x = constrain(jnp.take(table_VxD, tokens_BxT, axis=0), ("batch", "length", "act_embed"))
+        self.embeddings = Embedding(cfg.vocab_size, cfg.d_model, dt, cfg.init_std)
         block = Block if cfg.remat == "none" else nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat])
         if self.packed:  # bf16 layer weights arrive as uint16 bits (pack_weights): one layer unpacked at a time
             block = nn.map_variables(block, "params", trans_in_fn=_unpack)
-        stack = nn.scan(
+        self.layers = nn.scan(
             block,
             variable_axes={"params": 0},
             split_rngs={"params": True},
@@ -106,18 +125,30 @@ class GLALM(nn.Module):
             length=cfg.n_layers,
             unroll=1 if cfg.scan_layers else cfg.n_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )
-        (x, _, state), _ = stack(cfg, name="layers")((x, lengths_B, state), jnp.arange(cfg.n_layers))
-        x = RMSNorm(cfg.norm_eps, dt, name="norm")(x)
-        if cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x, table_VxD, preferred_element_type=jnp.float32)
+        )(cfg)
+        self.norm = RMSNorm(cfg.norm_eps, dt)
+        if not cfg.tie_embeddings:
+            self.lm_head = Linear(cfg.vocab_size, ("embed", "vocab"), dtype=dt, init_std=cfg.init_std, fp32_out=True)
+
+    def __call__(
+        self, tokens_BxT: Array, stack: Stack | None, lengths_B: Array | None = None
+    ) -> tuple[Array, Stack | None]:
+        """tokens [B, T] and the stacked state (or None) -> (logits [B, T, V] fp32, stacked state)."""
+        x = self.embed(tokens_BxT)
+        (x, _, stack), _ = self.layers((x, lengths_B, stack), jnp.arange(self.cfg.n_layers))
+        return self.head(x), stack
+
+    def embed(self, tokens_BxT: Array) -> Array:
+        return constrain(jnp.take(self.embeddings(), tokens_BxT, axis=0), ("batch", "length", "act_embed"))
+
+    def head(self, x_BxTxD: Array) -> Array:
+        """Final norm and LM head: x [B, T, D] -> logits [B, T, V] fp32."""
+        x = self.norm(x_BxTxD)
+        if self.cfg.tie_embeddings:
+            logits = jnp.einsum("btd,vd->btv", x, self.embeddings(), preferred_element_type=jnp.float32)
         else:
-            head = Linear(
-                cfg.vocab_size, ("embed", "vocab"), dtype=dt, init_std=cfg.init_std, fp32_out=True, name="lm_head"
-            )
-            logits = head(x)
-        logits = constrain(logits, ("batch", "length", "act_vocab"))
-        return logits.astype(jnp.float32), state
+            logits = self.lm_head(x)
+        return constrain(logits, ("batch", "length", "act_vocab")).astype(jnp.float32)
 
 
 def _check_tokens(tokens: Array, ndim: int, what: str) -> None:
@@ -150,26 +181,45 @@ def count_params(params: Params) -> int:
 
 
 def init_state(cfg: ModelConfig, batch: int) -> State:
-    """A zero per-sequence state for ``batch`` sequences (see module docstring for the layout)."""
-    L = cfg.n_layers
-    state = {"gla": jnp.zeros((L, batch, cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim), jnp.float32)}
-    if cfg.use_short_conv:
-        W, G, dt = cfg.conv_size, cfg.kv_groups, cfg.compute_dtype
-        state["conv_q"] = jnp.zeros((L, batch, W, cfg.key_dim), dt)
-        state["conv_k"] = jnp.zeros((L, batch, W, cfg.key_dim // G), dt)
-        state["conv_v"] = jnp.zeros((L, batch, W, cfg.value_dim // G), dt)
-    return state
+    """A zero per-sequence state for ``batch`` sequences: one dict per layer (module docstring)."""
+
+    def layer() -> LayerState:
+        state = {"gla": jnp.zeros((batch, cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim), jnp.float32)}
+        if cfg.use_short_conv:
+            W, G, dt = cfg.conv_size, cfg.kv_groups, cfg.compute_dtype
+            state["conv_q"] = jnp.zeros((batch, W * cfg.key_dim), dt)
+            state["conv_k"] = jnp.zeros((batch, W * (cfg.key_dim // G)), dt)
+            state["conv_v"] = jnp.zeros((batch, W * (cfg.value_dim // G)), dt)
+        return state
+
+    return tuple(layer() for _ in range(cfg.n_layers))
 
 
 def _check_state(cfg: ModelConfig, state: State, batch: int) -> None:
     want = jax.eval_shape(lambda: init_state(cfg, batch))
-    if set(state) != set(want):
-        raise ValueError(f"state must have keys {sorted(want)}; got {sorted(state)}")
-    for key, ref in want.items():
-        if tuple(state[key].shape) != ref.shape:
-            raise ValueError(
-                f"state[{key!r}] must have shape {ref.shape} for batch {batch}; got {tuple(state[key].shape)}"
-            )
+    if not isinstance(state, (tuple, list)) or len(state) != len(want):
+        got = f"a {type(state).__name__}" + (f" of {len(state)}" if isinstance(state, (tuple, list)) else "")
+        raise ValueError(
+            f"state must be a tuple of {len(want)} per-layer dicts (init_state(cfg, batch) makes one); got {got}"
+        )
+    for layer, (have, ref) in enumerate(zip(state, want, strict=True)):
+        if not isinstance(have, dict) or set(have) != set(ref):
+            keys = sorted(have) if isinstance(have, dict) else type(have).__name__
+            raise ValueError(f"state[{layer}] must be a dict with keys {sorted(ref)}; got {keys}")
+        for key, leaf in ref.items():
+            if tuple(have[key].shape) != leaf.shape:
+                raise ValueError(
+                    f"state[{layer}][{key!r}] must have shape {leaf.shape} for batch {batch}; "
+                    f"got {tuple(have[key].shape)}"
+                )
+
+
+def _stack(state: State) -> Stack:
+    return jax.tree.map(lambda *layers: jnp.stack(layers), *state)
+
+
+def _split(stack: Stack, n_layers: int) -> State:
+    return tuple(jax.tree.map(lambda x, i=layer: x[i], stack) for layer in range(n_layers))
 
 
 def forward(cfg: ModelConfig, params: Params, tokens_BxT: Array) -> Array:
@@ -191,7 +241,9 @@ def prefill(
     if state is None:
         state = init_state(cfg, tokens_BxT.shape[0])
     _check_state(cfg, state, tokens_BxT.shape[0])
-    return GLALM(cfg, _is_packed(params)).apply({"params": params}, tokens_BxT, state, lengths_B)
+    model = GLALM(cfg, _is_packed(params))
+    logits, stack = model.apply({"params": params}, tokens_BxT, _stack(state), lengths_B)
+    return logits, _split(stack, cfg.n_layers)
 
 
 def decode_step(
@@ -199,11 +251,18 @@ def decode_step(
 ) -> tuple[Array, State]:
     """Advance every sequence by one token with the recurrent step: (logits [B, V], state).
 
+    The layers run as an unrolled loop, each on its own state buffer (module docstring).
     ``live_B`` (bool): a row where it is False keeps its state bit for bit (its token is treated
     as padding inside the layers' own update, so no state-sized select is added). ``params`` as
     placed: bf16 or float32 weights, or on CPU ``pack_weights``' bits."""
     _check_tokens(token_B, 1, "token")
     _check_state(cfg, state, token_B.shape[0])
     lengths = None if live_B is None else live_B.astype(jnp.int32)
-    logits, state = GLALM(cfg, _is_packed(params)).apply({"params": params}, token_B[:, None], state, lengths)
-    return logits[:, 0], state
+    model = GLALM(cfg)
+    x = model.apply({"params": params}, token_B[:, None], method=GLALM.embed)
+    new_state = []
+    for layer, layer_state in enumerate(state):
+        weights = _unpack(jax.tree.map(lambda w, i=layer: w[i], params["layers"]))
+        x, layer_state = Block(cfg).apply({"params": weights}, x, lengths, layer_state, method=Block.step)
+        new_state.append(layer_state)
+    return model.apply({"params": params}, x, method=GLALM.head)[:, 0], tuple(new_state)

@@ -71,8 +71,9 @@ class Engine:
         first local device; ``serve.py`` passes all of them); ``prng``: the sampling keys'
         implementation (``platform.prng_impl``: "auto" is rbg on Neuron, threefry2x32 elsewhere).
         ``prefix_cache_bytes``: the prefix-state cache's budget per device (0: off);
-        ``prefix_block``: its block in ids (default: the lcm of 128 and ``prefill_chunk``; must be
-        a multiple of both, so a resumed prompt is cut into the same prefill calls)."""
+        ``prefix_block``: its block in ids (default: the lcm of ``cfg.chunk_size`` and
+        ``prefill_chunk``; must be a multiple of both, so a resumed prompt is cut into the same
+        prefill calls and kernel chunks)."""
         self.cfg, self.max_model_len, self.metrics = cfg, max_model_len, metrics
         self.slots_per_device, self.prefill_chunk = max_num_seqs, prefill_chunk
         self.compiles = CompileCounter(metrics.on_compile if metrics is not None else None)
@@ -236,14 +237,22 @@ class Engine:
         while self.counts() != (0, 0):
             self.scheduler.step()
 
-    def serve_forever(self, progress: Callable[[str], None] | None = None) -> None:
+    def serve_forever(
+        self, progress: Callable[[str], None] | None = None, on_ready: Callable[[str], None] | None = None
+    ) -> None:
         """``warmup`` then ``loop`` (the engine thread's body). A failed warmup marks the engine
-        dead with the reason, which ``status`` reports."""
+        dead with the reason, which ``status`` reports. ``on_ready`` gets one line once warm."""
+        start = time.perf_counter()
         try:
             self.warmup(progress)
         except Exception as e:  # reported by status(); the server answers 503 with it
             self.dead = f"warmup failed: {type(e).__name__}: {e}"
+            if on_ready:
+                on_ready(f"not serving: {self.dead}")
             return
+        if on_ready:
+            n = len(self.programs.programs(self.buckets or []))
+            on_ready(f"ready: {n} programs compiled in {time.perf_counter() - start:.1f} s")
         self.loop()
 
     def loop(self) -> None:

@@ -226,8 +226,10 @@ class Generation:
         rid = ("chatcmpl-" if kind.startswith("chat") else "cmpl-") + uuid.uuid4().hex[:24]
         return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
 
-    async def _stream(self, request, prompts, sp, n, stops, include_stop, chat, echo, include_usage):
-        """Server-sent events: a chunk per step and sequence (index = prompt * n + choice)."""
+    async def _stream(self, request, prompts, sp, n, stops, include_stop, chat, echo, usage: str | None):
+        """Server-sent events: a chunk per step and sequence (index = prompt * n + choice).
+        ``usage``: None, "last" (a final chunk with the usage) or "every" (also in each chunk, so
+        far: vLLM's ``continuous_usage_stats``)."""
         head = self._head("chat.completion.chunk" if chat else "text_completion")
         run = self._run(request, prompts, sp, n, stops, include_stop)
         try:
@@ -253,7 +255,8 @@ class Generation:
                     lp = pr.completion_logprobs(self.tok, tokens, entries, len(s.out), sp.return_tokens_as_token_ids)
                 choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": s.finish}
             choice["index"] = s.prompt * n + s.ordinal
-            return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+            so_far = {"usage": self._usage(prompts, list(seqs.values()))} if usage == "every" else {}
+            return f"data: {json.dumps({**head, 'choices': [choice], **so_far})}\n\n"
 
         async def events():
             yield chunk(*first)
@@ -264,9 +267,9 @@ class Generation:
                 self.metrics.errors.labels(e.type).inc()
                 yield f"data: {json.dumps(pr.envelope(e.status, e.message, e.param, e.type))}\n\n"
             else:
-                if include_usage:
-                    usage = self._usage(prompts, list(seqs.values()))
-                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+                if usage is not None:
+                    total = self._usage(prompts, list(seqs.values()))
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': total})}\n\n"
             yield "data: [DONE]\n\n"
 
         async def guarded():
@@ -288,6 +291,7 @@ class Generation:
         stops = _stop_strings(body.stop) + ([pr.CHAT_STOP] if chat else [])
         include = body.include_stop_str_in_output
         if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
+            opts = body.stream_options
+            usage = None if not (opts and opts.include_usage) else "every" if opts.continuous_usage_stats else "last"
             return await self._stream(request, prompts, sp, body.n, stops, include, chat, echo, usage)
         return await self._complete(request, prompts, sp, body.n, best_of, stops, include, chat, echo)

@@ -13,7 +13,13 @@ import json
 
 from laplace_jax.serve.protocol import envelope
 
-PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # /health, /version, /tokenizer_info stay open
+PROTECTED = (
+    "/v1/",
+    "/tokenize",
+    "/detokenize",
+    "/start_profile",
+    "/stop_profile",
+)  # /health, /version, /tokenizer_info stay open
 
 
 class Boundary:

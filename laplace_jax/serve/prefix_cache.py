@@ -6,7 +6,7 @@ caches; 29.5 MB for the 3B model at any length), so an entry costs the same for 
 as for a 16k-token one. Two kinds of entry:
 
   block  the state at a multiple of ``block`` prompt tokens, taken from the prefill itself.
-         ``block`` is a multiple of the prefill chunk and of the kernel's 128-token chunk, so a
+         ``block`` is a multiple of the prefill chunk and of the kernel's chunk (``chunk_size``), so a
          prompt resumed from it is cut into the same prefill calls as without the cache: its
          numbers are bit-identical (``exact``).
   end    the state at the end of a finished request (its prompt and every generated token that
@@ -69,7 +69,7 @@ def _tail_digest(ids: np.ndarray) -> bytes:
 @dataclasses.dataclass(eq=False)
 class Entry:
     """A cached state: ``length`` ids, held on device index ``device`` as ``state`` (the model's
-    state pytree for one sequence, leaves [L, 1, ...])."""
+    state for one sequence: a tuple of per-layer dicts, leaves [1, ...])."""
 
     key: tuple
     length: int

@@ -56,7 +56,7 @@ class DevicePrograms:
         self.executables: dict[tuple[str, int], Any] = {}
         self.slots = self.new_slots()
         self.fresh = jax.device_put(
-            init_state(cfg, self.D), self.layout.model_sharding()
+            init_state(cfg, self.D), self.layout.slot_sharding()
         )  # prefill's starting states, one per device
         self.state_bytes = sum(x.nbytes for x in jax.tree.leaves(init_state(cfg, 1)))
         self.prefilled_tokens = 0  # prompt ids run through prefill (what the prefix cache saves)
@@ -69,8 +69,8 @@ class DevicePrograms:
             for k, (shape, dtype, idle) in row_template(self.prng, self.cfg.vocab_size).items()
         }
         return {
-            "model": jax.device_put(init_state(self.cfg, n), self.layout.model_sharding()),
-            "rows": jax.device_put(rows, self.layout.row_sharding()),
+            "model": jax.device_put(init_state(self.cfg, n), self.layout.slot_sharding()),
+            "rows": jax.device_put(rows, self.layout.slot_sharding()),
         }
 
     # ----- compilation --------------------------------------------------------------------
@@ -143,12 +143,12 @@ class DevicePrograms:
         return state, logits, scores
 
     def row_state(self, state_D, d: int):
-        """Device d's row of a [L, D, ..] state: one sequence's state on device d (no copy)."""
+        """Device d's row of a state whose leaves are [D, ..]: one sequence's state on device d (no copy)."""
         dev = self.mesh.devices.flat[d]
         return jax.tree.map(lambda x: next(s.data for s in x.addressable_shards if s.device == dev), state_D)
 
     def assemble(self, rows: dict[int, Any]):
-        """A [L, D, ..] starting state whose row d is ``rows[d]`` (one sequence's state, copied to
+        """A starting state (leaves [D, ..]) whose row d is ``rows[d]`` (one sequence's state, copied to
         device d if it lives elsewhere) and a fresh state elsewhere. No compile."""
 
         def build(fresh, *given):
@@ -219,15 +219,15 @@ def serving_programs(
     V, n = cfg.vocab_size, D * slots_per_device
     params = _abstract(params, NamedSharding(lay.mesh, P()))
     prefill = functools.partial(prefill_program, lay)
-    rows = lay.row_sharding()
-    state_D = _abstract(jax.eval_shape(lambda: init_state(cfg, D)), lay.model_sharding())
+    rows = lay.slot_sharding()
+    state_D = _abstract(jax.eval_shape(lambda: init_state(cfg, D)), rows)
     logits = jax.ShapeDtypeStruct((D, V), jnp.float32, sharding=rows)
     ints = jax.ShapeDtypeStruct((D,), jnp.int32, sharding=rows)
     tokens = jax.ShapeDtypeStruct((D, prefill_chunk), jnp.int32, sharding=rows)
     tpl = row_template(lay.prng, V)
     req = {k: jax.ShapeDtypeStruct((D, *tpl[k][0]), tpl[k][1], sharding=rows) for k in REQUEST_FIELDS}
     slots = {
-        "model": _abstract(jax.eval_shape(lambda: init_state(cfg, n)), lay.model_sharding()),
+        "model": _abstract(jax.eval_shape(lambda: init_state(cfg, n)), rows),
         "rows": {k: jax.ShapeDtypeStruct((n, *shape), dtype, sharding=rows) for k, (shape, dtype, _) in tpl.items()},
     }
     out = [

@@ -33,7 +33,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # with include_usage: every chunk carries the usage so far (vLLM)
 
 
 class _Common(_Strict):

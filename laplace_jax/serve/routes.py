@@ -17,6 +17,7 @@ import importlib.metadata
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pydantic
@@ -25,6 +26,8 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from laplace_jax.errors import UserError
+from laplace_jax.profiling import Trace
 from laplace_jax.serve import protocol as pr
 from laplace_jax.serve import settings
 from laplace_jax.serve.engine import Engine
@@ -60,9 +63,12 @@ def _parse(raw: bytes, model: type[pydantic.BaseModel]) -> Any:
 class Server:
     """Holds the engine, tokenizer and metrics; ``app`` is the ASGI application.
 
-    ``api_key``: required as ``Authorization: Bearer KEY`` on /v1/*, /tokenize and /detokenize
-    (and /metrics with ``protect_metrics``). ``drain_timeout``: the whole shutdown sequence,
-    from the signal to the last byte, takes at most this long (``begin_shutdown``).
+    ``api_key``: required as ``Authorization: Bearer KEY`` on /v1/*, /tokenize, /detokenize and
+    the profile routes (and /metrics with ``protect_metrics``). ``on_ready``: called with one line
+    when warmup ends (serve.py prints it). ``profile_dir``: POST /start_profile and /stop_profile
+    (vLLM's routes) bracket a ``jax.profiler`` trace written there. ``drain_timeout``: the whole
+    shutdown sequence, from the signal to the last byte, takes at most this long
+    (``begin_shutdown``).
     """
 
     def __init__(
@@ -77,15 +83,20 @@ class Server:
         max_body_bytes: int = settings.MAX_BODY_BYTES,
         body_timeout: float = settings.BODY_TIMEOUT_S,
         drain_timeout: float = settings.DRAIN_TIMEOUT_S,
+        profile_dir: str | None = None,
+        on_ready: Callable[[str], None] | None = None,
     ):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.trace = None if profile_dir is None else Trace(profile_dir)
         self.gen = Generation(engine, tokenizer, model_name, defaults)
         self.metrics: ServeMetrics = engine.metrics
         self.drain_timeout = drain_timeout
         self.warm_progress = "starting"
         self.created = int(time.time())
         progress = lambda msg: setattr(self, "warm_progress", msg)  # noqa: E731
-        self.thread = threading.Thread(target=engine.serve_forever, args=(progress,), name="engine", daemon=True)
+        self.thread = threading.Thread(
+            target=engine.serve_forever, args=(progress, on_ready), name="engine", daemon=True
+        )
         self.app = Boundary(self._build(), api_key, protect_metrics, max_body_bytes, body_timeout)
 
     def begin_shutdown(self) -> None:
@@ -140,6 +151,7 @@ class Server:
         self._add_status_routes(app)
         self._add_tokenizer_routes(app)
         self._add_generation_routes(app)
+        self._add_profile_routes(app)
         return app
 
     def _reply(self, exc: ApiError):
@@ -209,6 +221,30 @@ class Server:
             return PlainTextResponse(
                 generate_latest(self.metrics.registry).decode(), media_type="text/plain; version=0.0.4"
             )
+
+    def _add_profile_routes(self, app: FastAPI) -> None:
+        def tracer() -> Trace:
+            if self.trace is None:
+                raise ApiError(
+                    404, "profiling is off: start the server with --profile-dir DIR", None, "not_found_error"
+                )
+            return self.trace
+
+        @app.post("/start_profile")
+        async def start_profile():
+            try:
+                await asyncio.to_thread(tracer().start)
+            except UserError as e:
+                raise ApiError(409, str(e)) from None
+            return {"status": "started", "dir": self.trace.directory}
+
+        @app.post("/stop_profile")
+        async def stop_profile():
+            try:
+                path = await asyncio.to_thread(tracer().stop)
+            except UserError as e:
+                raise ApiError(409, str(e)) from None
+            return {"status": "stopped", "trace": path}
 
     def _add_tokenizer_routes(self, app: FastAPI) -> None:
         @app.get("/tokenizer_info")

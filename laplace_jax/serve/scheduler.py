@@ -49,14 +49,18 @@ def make_buckets(spec: str | list[int], max_num_seqs: int) -> list[int] | None:
     return sorted(widths | {max_num_seqs})
 
 
-def prefix_cache(budget: int, block: int | None, prefill_chunk: int, entry_bytes: int, devices: int):
+def prefix_cache(budget: int, block: int | None, prefill_chunk: int, kernel_chunk: int, entry_bytes: int, devices: int):
     """The PrefixCache for ``budget`` bytes per device, or None when the budget holds no entry (no
-    lookups, no hashing per request). ``block`` defaults to the lcm of 128 and ``prefill_chunk``
-    and must be a multiple of it, so a resumed prompt is cut into the same prefill calls."""
-    unit = math.lcm(128, prefill_chunk)
+    lookups, no hashing per request). ``block`` defaults to the lcm of the kernel's chunk
+    (``model.chunk_size``) and ``prefill_chunk`` and must be a multiple of it, so a resumed prompt
+    is cut into the same prefill calls and the same kernel chunks."""
+    unit = math.lcm(kernel_chunk, prefill_chunk)
     block = block or unit
     if block % unit:
-        raise ValueError(f"--prefix-block must be a multiple of {unit} (128 and the prefill chunk); got {block}")
+        raise ValueError(
+            f"--prefix-block must be a multiple of {unit} (the model's {kernel_chunk}-token kernel chunk and the "
+            f"{prefill_chunk}-token prefill chunk); got {block}"
+        )
     if budget < 0:
         raise ValueError(f"--prefix-cache-bytes must be >= 0; got {budget}")
     entry_bytes += ENTRY_OVERHEAD_BYTES
@@ -88,7 +92,7 @@ class Scheduler:
         self.buckets, self.steps_per_call = buckets, steps_per_call
         self.programs = DevicePrograms(cfg, params, devices, max_num_seqs, prefill_chunk, steps_per_call, prng)
         self.prefix = prefix_cache(
-            prefix_cache_bytes, prefix_block, prefill_chunk, self.programs.state_bytes, len(devices)
+            prefix_cache_bytes, prefix_block, prefill_chunk, cfg.chunk_size, self.programs.state_bytes, len(devices)
         )
         self.queue = WaitQueue(max_queue)
         self.slots = Slots(len(devices), max_num_seqs, self.programs)

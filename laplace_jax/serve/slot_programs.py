@@ -1,9 +1,9 @@
 """The serving programs as pure functions of the slot buffers, traced for one ``SlotLayout``.
 
-Slots: D devices x S slots each. Every slot buffer has its slot axis of size D * S sharded over
-``data`` (device d holds global slots d*S .. d*S + S - 1); the weights are replicated. Each
-program is one SPMD executable over all D devices (``programs.DevicePrograms`` compiles them at
-warmup):
+Slots: D devices x S slots each. Every slot buffer (each layer's state leaves and each sampling
+row) leads with its slot axis of size D * S, sharded over ``data`` (device d holds global slots
+d*S .. d*S + S - 1); the weights are replicated. Each program is one SPMD executable over all
+D devices (``programs.DevicePrograms`` compiles them at warmup):
 
   prefill   tokens [D, P] (row d for device d; length 0 = no request) -> states [D], last logits [D, V]
   score     prefill that also scores each position's next token (prompt logprobs: echo, lm-eval)
@@ -17,7 +17,7 @@ warmup):
 A finished row's state stays as it was after its last fed token (decode treats a done row's
 token as padding, which leaves its state bit for bit), so a snapshot is the state after the
 prompt and the generated tokens fed back. Every program works on the per-device view
-[.., D, S, ..] of the slot axis, so no data crosses devices.
+[D, S, ..] of the slot axis, so no data crosses devices.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from laplace_jax.config import ModelConfig
 from laplace_jax.models.gla_lm import decode_step, prefill
 from laplace_jax.platform import key_words
 from laplace_jax.sampling import count_tokens, penalize, sample_rows, token_logprobs
-
-MODEL_SLOT_AXIS = 1  # state leaves are [L, slots, ...]
 
 
 def row_template(prng: str, vocab_size: int) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
@@ -82,13 +80,13 @@ REQUEST_FIELDS = (  # set per request at insert; the rest are the decode loop's 
 )
 
 
-def _split(x: jax.Array, axis: int, D: int) -> jax.Array:
-    """[.., D*S, ..] -> [.., D, S, ..] (the per-device view)."""
-    return x.reshape(*x.shape[:axis], D, x.shape[axis] // D, *x.shape[axis + 1 :])
+def _split(x: jax.Array, D: int) -> jax.Array:
+    """[D*S, ..] -> [D, S, ..] (the per-device view)."""
+    return x.reshape(D, x.shape[0] // D, *x.shape[1:])
 
 
-def _join(x: jax.Array, axis: int) -> jax.Array:
-    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2 :])
+def _join(x: jax.Array) -> jax.Array:
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,19 +103,12 @@ class SlotLayout:
     def D(self) -> int:
         return self.mesh.size
 
-    def model_sharding(self) -> NamedSharding:
-        """State leaves [L, slots, ..]: the slot axis over the devices."""
-        return NamedSharding(self.mesh, P(None, "data"))
-
-    def row_sharding(self) -> NamedSharding:
-        """Per-slot rows [slots, ..]: the slot axis over the devices."""
+    def slot_sharding(self) -> NamedSharding:
+        """Every slot buffer [slots, ..] (state leaves and sampling rows): the slot axis over the devices."""
         return NamedSharding(self.mesh, P("data"))
 
-    def constrain(self, slots: dict) -> dict:
-        return {
-            "model": jax.lax.with_sharding_constraint(slots["model"], self.model_sharding()),
-            "rows": jax.lax.with_sharding_constraint(slots["rows"], self.row_sharding()),
-        }
+    def constrain(self, tree: Any) -> Any:
+        return jax.lax.with_sharding_constraint(tree, self.slot_sharding())
 
 
 def prefill_program(lay: SlotLayout, params, tokens_DxP, state, lengths_D, logits_DxV, next_DxP=None):
@@ -127,7 +118,7 @@ def prefill_program(lay: SlotLayout, params, tokens_DxP, state, lengths_D, logit
     logits, state = prefill(lay.cfg, params, tokens_DxP, state, lengths_D)
     last = jnp.take_along_axis(logits, jnp.maximum(lengths_D - 1, 0)[:, None, None], axis=1)[:, 0]
     last = jnp.where((lengths_D > 0)[:, None], last, logits_DxV)
-    last = jax.lax.with_sharding_constraint(last, lay.row_sharding())
+    last = lay.constrain(last)
     if next_DxP is None:
         return last, state
     return last, state, token_logprobs(logits, next_DxP)
@@ -152,14 +143,10 @@ def insert_program(lay: SlotLayout, slots, state_D, logits_DxV, req_D, local_D):
         old = jax.lax.dynamic_index_in_dim(buf_S, i, 0, keepdims=True)
         return jax.lax.dynamic_update_index_in_dim(buf_S, jnp.where(use, new[None].astype(buf_S.dtype), old), i, 0)
 
-    def put_model(x, new):  # x [L, D*S, ..], new [L, D, ..]
-        xs = jnp.moveaxis(_split(x, MODEL_SLOT_AXIS, D), 1, 0)  # [D, L, S, ..]
-        out = jax.vmap(lambda b, n, i, u: jax.vmap(put, (0, 0, None, None))(b, n, i, u))(
-            xs, jnp.moveaxis(new, 1, 0), idx, on
-        )
-        return _join(jnp.moveaxis(out, 0, 1), MODEL_SLOT_AXIS)
+    def put_all(x, new):  # x [D*S, ..], new [D, ..]
+        return _join(jax.vmap(put)(_split(x, D), new, idx, on))
 
-    model = jax.tree.map(put_model, slots["model"], state_D)
+    model = jax.tree.map(put_all, slots["model"], state_D)
     new_rows = dict(
         req_D,
         token=first,
@@ -167,24 +154,20 @@ def insert_program(lay: SlotLayout, slots, state_D, logits_DxV, req_D, local_D):
         counts=count_tokens(fresh["counts"], first, jnp.ones((D,), bool)),
         done=jnp.zeros((D,), bool),
     )
-    rows = {k: _join(jax.vmap(put)(_split(slots["rows"][k], 0, D), new_rows[k], idx, on), 0) for k in slots["rows"]}
+    rows = {k: put_all(slots["rows"][k], new_rows[k]) for k in slots["rows"]}
     return lay.constrain({"model": model, "rows": rows}), first, token_logprobs(logits_DxV, first)
 
 
 def decode_program(lay: SlotLayout, params, slots, W: int):
     D = lay.D
 
-    def take(x, axis):  # the first W local slots of every device, flattened to D*W rows
-        return _join(jax.lax.slice_in_dim(_split(x, axis, D), 0, W, axis=axis + 1), axis)
+    def take(x):  # the first W local slots of every device, flattened to D*W rows
+        return _join(jax.lax.slice_in_dim(_split(x, D), 0, W, axis=1))
 
-    def give(x, sub, axis):
-        out = jax.lax.dynamic_update_slice_in_dim(_split(x, axis, D), _split(sub, axis, D), 0, axis + 1)
-        return _join(out, axis)
+    def give(x, sub):
+        return _join(jax.lax.dynamic_update_slice_in_dim(_split(x, D), _split(sub, D), 0, 1))
 
-    sub = {
-        "model": jax.tree.map(lambda x: take(x, MODEL_SLOT_AXIS), slots["model"]),
-        "rows": jax.tree.map(lambda x: take(x, 0), slots["rows"]),
-    }
+    sub = jax.tree.map(take, slots)
 
     def step(sub, _):
         r = sub["rows"]
@@ -202,11 +185,9 @@ def decode_program(lay: SlotLayout, params, slots, W: int):
         return lay.constrain({"model": model, "rows": rows}), (tok, valid, token_logprobs(logits, tok))
 
     sub, (toks, valid, lps) = jax.lax.scan(step, lay.constrain(sub), None, length=lay.steps_per_call)
-    model = jax.tree.map(lambda x, s: give(x, s, MODEL_SLOT_AXIS), slots["model"], sub["model"])
-    rows = jax.tree.map(lambda x, s: give(x, s, 0), slots["rows"], sub["rows"])
     K = lay.steps_per_call
     lps = jax.tree.map(lambda x: x.reshape(K, D, W, *x.shape[2:]), lps)
-    return lay.constrain({"model": model, "rows": rows}), toks.reshape(K, D, W), valid.reshape(K, D, W), lps
+    return lay.constrain(jax.tree.map(give, slots, sub)), toks.reshape(K, D, W), valid.reshape(K, D, W), lps
 
 
 def move_program(lay: SlotLayout, slots, src_D, dst_D):
@@ -215,22 +196,13 @@ def move_program(lay: SlotLayout, slots, src_D, dst_D):
     def mv(buf_S, s, d):
         return jax.lax.dynamic_update_index_in_dim(buf_S, jax.lax.dynamic_index_in_dim(buf_S, s, 0, True), d, 0)
 
-    def move_model(x):
-        xs = jnp.moveaxis(_split(x, MODEL_SLOT_AXIS, D), 1, 0)  # [D, L, S, ..]
-        out = jax.vmap(lambda b, s, d: jax.vmap(mv, (0, None, None))(b, s, d))(xs, src_D, dst_D)
-        return _join(jnp.moveaxis(out, 0, 1), MODEL_SLOT_AXIS)
-
-    model = jax.tree.map(move_model, slots["model"])
-    rows = jax.tree.map(lambda x: _join(jax.vmap(mv)(_split(x, 0, D), src_D, dst_D), 0), slots["rows"])
-    return lay.constrain({"model": model, "rows": rows})
+    return lay.constrain(jax.tree.map(lambda x: _join(jax.vmap(mv)(_split(x, D), src_D, dst_D)), slots))
 
 
 def snapshot_program(lay: SlotLayout, slots, local_D):
     D = lay.D
 
-    def take(x):  # x [L, D*S, ..] -> [L, D, ..]: local slot local_D[d] of device d
-        xs = jnp.moveaxis(_split(x, MODEL_SLOT_AXIS, D), 1, 0)  # [D, L, S, ..]
-        out = jax.vmap(lambda b, i: jax.lax.dynamic_index_in_dim(b, i, 1, keepdims=False))(xs, local_D)
-        return jnp.moveaxis(out, 0, 1)
+    def take(x):  # x [D*S, ..] -> [D, ..]: local slot local_D[d] of device d
+        return jax.vmap(lambda b, i: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False))(_split(x, D), local_D)
 
-    return jax.lax.with_sharding_constraint(jax.tree.map(take, slots["model"]), lay.model_sharding())
+    return lay.constrain(jax.tree.map(take, slots["model"]))

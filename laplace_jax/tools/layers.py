@@ -21,7 +21,7 @@ MAX_CLASS_LINES = 250
 
 # (layer name, the modules in it: a dotted prefix below ``laplace_jax`` matches a module or a package)
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("errors", "config", "defaults", "platform", "hlo_stats", "tpu", "parallel")),
+    ("base", ("errors", "xla_flags", "config", "defaults", "platform", "profiling", "hlo_stats", "tpu", "parallel")),
     ("kernels", ("ops",)),
     ("layers", ("layers",)),
     ("models", ("models",)),

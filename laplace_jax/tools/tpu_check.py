@@ -5,6 +5,7 @@ not a measurement).
 
     python -m laplace_jax.tools.tpu_check --topology v5e:1x1 --kernel                  # the 3B GLA layer
     python -m laplace_jax.tools.tpu_check --topology v5p:1x1x1 --config configs/3b.py --decode 256
+    python -m laplace_jax.tools.tpu_check --topology v5p:1x1x1 --config configs/3b.py --prefill 128,512,2048
     python -m laplace_jax.tools.tpu_check --topology v5e:1x1 --config configs/tiny.py --serve
     python -m laplace_jax.tools.tpu_check --topology v5e:2x2 --config configs/tiny.py   # the train step
 
@@ -12,6 +13,8 @@ not a measurement).
 --decode W    the public ``decode_step`` at W sequences, bf16 weights and compute, the state
               donated: once with the weights as plain bf16 arrays, once packed as serving packs
               them on CPU (``pack_weights``, XLA:CPU's workaround).
+--prefill T   the public ``prefill`` of one T-token prompt (T: one length or a comma list, the
+              prompt length buckets), bf16: estimated tokens/s against the FLOP limit.
 --serve       serving's programs for the config (bf16): prefill, every decode bucket, the sampler.
 --config C    alone: the sharded train step (as ``train.py --plan --topology``).
 Needs libtpu: ``pip install -e ".[tpu]"``. ``--out F`` writes the reports as JSON.
@@ -39,6 +42,16 @@ def _shape(text: str) -> tuple[int, ...]:
     if len(dims) != 5 or min(dims) < 1:
         raise argparse.ArgumentTypeError(f"--shape is {' or '.join(SHAPES)} or B,T,H,K,V (five positive ints)")
     return dims
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError("--prefill is a prompt length or a comma list of them (e.g. 128,512,2048)")
+    return lengths
 
 
 def _compile(fn, args, devices=None, donate=()):
@@ -133,6 +146,39 @@ def decode_reports(chip, devices, config, width: int) -> list[dict[str, Any]]:
     ]
 
 
+def prefill_reports(chip, devices, config, lengths: list[int]) -> list[dict[str, Any]]:
+    """The public ``prefill`` of one prompt of each length on one chip, bf16 weights and compute,
+    the state donated. Limit: FLOPs 2 N T plus the chunk kernel's 4 dk dv + 2 C (dk + dv) per
+    token, head and layer; bytes every weight once and the state in and out."""
+    import jax
+    import jax.numpy as jnp
+
+    from laplace_jax.models.gla_lm import abstract_params, count_params, init_state, prefill
+    from laplace_jax.tpu import report
+
+    cfg = _serving_cfg(config)
+    bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
+    state = jax.eval_shape(lambda: init_state(cfg, 1))
+    weights, state_bytes = _weight_and_state_bytes(cfg, 1)
+    K, V, C = cfg.head_k_dim, cfg.head_v_dim, cfg.chunk_size
+    kernel_per_token = cfg.n_layers * cfg.n_heads * (4 * K * V + 2 * C * (K + V))
+    out = []
+    for T in lengths:
+        tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+        step = lambda p, t, s: prefill(cfg, p, t, s)  # noqa: E731
+        rep = report(
+            _compile(step, (bf16, tokens, state), devices, donate=(2,)),
+            chip,
+            f"prefill 1 x {T} tokens, bf16",
+            flops=T * (2 * count_params(abstract_params(cfg)) + kernel_per_token),
+            bytes_=weights + 2 * state_bytes,
+        )
+        rep["tokens"] = T
+        rep["tokens_per_s"] = T / rep["estimate"]["seconds"]
+        out.append(rep)
+    return out
+
+
 def serve_reports(chip, devices, config, max_num_seqs: int, buckets: str, prefill_chunk: int, steps: int):
     """Serving's programs on ``devices`` (slots over a ``data`` mesh): prefill, each decode
     bucket and the sampler, with per-chip limits (weights once, the state in and out)."""
@@ -190,6 +236,7 @@ def _parser() -> argparse.ArgumentParser:
     what = ap.add_mutually_exclusive_group()
     what.add_argument("--kernel", action="store_true", help="chunk_gla at --shape, forward and forward + backward")
     what.add_argument("--decode", type=int, metavar="W", help="decode_step at W sequences (needs --config)")
+    what.add_argument("--prefill", type=_lengths, metavar="T", help="prefill of one T-token prompt (T,T,..: several)")
     what.add_argument("--serve", action="store_true", help="serving's prefill, decode buckets and sampler (--config)")
     ap.add_argument("--config", help="an ml_collections config file (e.g. configs/3b.py); alone: the train step")
     ap.add_argument("--shape", type=_shape, default=SHAPES["3b"], help="--kernel: 3b, small or B,T,H,K,V")
@@ -209,8 +256,8 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
     from laplace_jax.errors import UserError
     from laplace_jax.tpu import tpu_devices
 
-    if (a.decode is not None or a.serve) and not a.config:
-        raise UserError("--decode and --serve need --config (e.g. --config configs/3b.py)")
+    if (a.decode is not None or a.prefill or a.serve) and not a.config:
+        raise UserError("--decode, --prefill and --serve need --config (e.g. --config configs/3b.py)")
     if not (a.kernel or a.config):
         raise UserError("say what to compile: --kernel, or --config C with --decode W, --serve or alone (train step)")
     chip, devices = tpu_devices(a.topology)
@@ -219,6 +266,8 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
     config = load_run_config(a.config)
     if a.decode is not None:
         return decode_reports(chip, devices, config, a.decode)
+    if a.prefill:
+        return prefill_reports(chip, devices, config, a.prefill)
     if a.serve:
         buckets = a.buckets if a.buckets in ("pow2", "exact") else a.buckets.split(",")
         return serve_reports(chip, devices, config, a.max_num_seqs, buckets, a.prefill_chunk, a.steps_per_call)
@@ -233,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     from laplace_jax.errors import UserError
 
     try:
-        if a.config and not (a.kernel or a.serve or a.decode is not None):
+        if a.config and not (a.kernel or a.serve or a.prefill or a.decode is not None):
             from laplace_jax.train.tpu_plan import reserve_cpu_devices
 
             reserve_cpu_devices(a.topology)

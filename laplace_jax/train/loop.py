@@ -18,6 +18,7 @@ from laplace_jax.data.pipeline import train_batches
 from laplace_jax.data.sources import TrainingData
 from laplace_jax.errors import UserError
 from laplace_jax.hlo_stats import memory_report
+from laplace_jax.profiling import StepTrace
 from laplace_jax.train.accounting import check_fit, flops_per_token
 from laplace_jax.train.metrics import MetricsWriter, StepLog, plot_loss
 from laplace_jax.train.trainer import Trainer
@@ -65,9 +66,16 @@ def _banner(trainer: Trainer, mem: dict[str, int], peak: float, peak_src: str) -
 
 
 def run(
-    config: RunConfig, workdir: str, *, max_steps: int | None = None, devices: list | None = None, log=print
+    config: RunConfig,
+    workdir: str,
+    *,
+    max_steps: int | None = None,
+    devices: list | None = None,
+    profile_steps: tuple[int, int] | None = None,
+    log=print,
 ) -> dict[str, Any]:
-    """Train (or resume) and return a summary. ``max_steps`` stops early; ``devices`` defaults to all."""
+    """Train (or resume) and return a summary. ``max_steps`` stops early; ``devices`` defaults to
+    all; ``profile_steps`` (first, last): a ``jax.profiler`` trace of those steps into <workdir>/tb."""
     _check_workdir(workdir)
     lead, t = jax.process_index() == 0, config.train
     if lead:
@@ -77,21 +85,17 @@ def run(
     compiled = trainer.compile()
     mem = memory_report(compiled)
     check_fit(mem, platform.device_memory_bytes(t.device_memory_gib), trainer.mesh.size)
-    batches = train_batches(
-        data.train,
-        global_batch=config.data.global_batch,
-        seed=config.data.seed,
-        num_steps=trainer.steps,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
+    data_iter = iter(
+        train_batches(
+            data.train,
+            global_batch=config.data.global_batch,
+            seed=config.data.seed,
+            num_steps=trainer.steps,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
     )
-    data_iter = iter(batches)
-    try:
-        os.makedirs(workdir, exist_ok=True)  # only now: a run refused above leaves no directory behind
-    except OSError as e:
-        raise UserError(
-            f"workdir {workdir} is not writable ({e.strerror}); pass --workdir to a writable directory"
-        ) from e
+    _make_workdir(workdir)  # only now: a run refused above leaves no directory behind
     ckpt = TrainCheckpointer(workdir, keep=t.keep_checkpoints, every=t.ckpt_every)
     config_json = _config_dict(config)
     start, state = ckpt.restore_latest(
@@ -106,21 +110,17 @@ def run(
     if lead:
         log(_banner(trainer, mem, peak, peak_src))
     writer = MetricsWriter(workdir, lead)
-    steps = StepLog(
-        writer,
-        train=t,
-        tokens_per_step=trainer.tokens_per_step,
-        flops_per_step=flops_per_token(trainer.model_cfg, trainer.n_params) * trainer.tokens_per_step,
-        peak_flops=peak * trainer.mesh.size,
-        start=start,
-        end=end,
-        show=lead,
-    )
+    steps = _step_log(trainer, writer, peak, start, end, lead)
+    tracer = _step_trace(workdir, profile_steps, start, end, log if lead else lambda _: None)
     pending, last_eval = None, None
     try:
         for step in range(start, end):
             steps.start(step + 1)
+            if tracer is not None:
+                tracer.before(step + 1)
             state, metrics = compiled(state, trainer.batch(next(data_iter)))
+            if tracer is not None:
+                tracer.after(step + 1, (state, metrics))
             steps.dispatched(step + 1, metrics)
             if pending is not None:  # the previous step's metrics: no host stall on this one
                 steps.record(*pending)
@@ -137,9 +137,44 @@ def run(
         if pending is not None:
             steps.record(*pending)
     finally:
+        if tracer is not None:
+            tracer.close()
         steps.close()
         ckpt.wait()
     return _finish(trainer, state, data, ckpt, data_iter, config_json, writer, steps.history, workdir, log, last_eval)
+
+
+def _step_log(trainer: Trainer, writer: MetricsWriter, peak: float, start: int, end: int, show: bool) -> StepLog:
+    return StepLog(
+        writer,
+        train=trainer.config.train,
+        tokens_per_step=trainer.tokens_per_step,
+        flops_per_step=flops_per_token(trainer.model_cfg, trainer.n_params) * trainer.tokens_per_step,
+        peak_flops=peak * trainer.mesh.size,
+        start=start,
+        end=end,
+        show=show,
+    )
+
+
+def _make_workdir(workdir: str) -> None:
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"workdir {workdir} is not writable ({e.strerror}); pass --workdir to a writable directory"
+        ) from e
+
+
+def _step_trace(workdir: str, steps: tuple[int, int] | None, start: int, end: int, log) -> StepTrace | None:
+    """The trace of ``steps`` if any of them runs in this call (steps start+1 .. end)."""
+    if steps is None:
+        return None
+    first, last = steps
+    if last <= start or first > end:
+        log(f"--profile_steps {first}:{last}: no such step runs now (steps {start + 1}..{end}); nothing traced")
+        return None
+    return StepTrace(os.path.join(workdir, "tb"), max(first, start + 1), min(last, end), log)
 
 
 def _finish(

@@ -38,9 +38,10 @@ def reserve_cpu_devices(topology: str) -> None:
 
 def sized_mesh(config: RunConfig, chips: int) -> tuple[RunConfig, str]:
     """The config with its mesh sized to ``chips`` when its own sizes do not multiply to that
-    (data kept where it divides, fsdp taking the rest), and a note saying what changed."""
+    (data kept where it divides, fsdp taking the rest), and a note saying what changed. A size of
+    -1 takes the chips the other axis leaves, as on real devices."""
     m = config.mesh
-    data = m.data if m.data > 0 else 1
+    data = m.data if m.data > 0 else (chips // m.fsdp if chips % m.fsdp == 0 else 1)
     fsdp = m.fsdp if m.fsdp > 0 else chips // data
     if data * fsdp == chips:
         return config, ""

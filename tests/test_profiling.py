@@ -1,0 +1,72 @@
+"""Device traces: train.py's --profile_steps and serve.py's /start_profile, /stop_profile write
+jax.profiler trace files that TensorBoard / XProf read (checked on CPU for the files)."""
+
+import os
+
+import httpx
+import jax
+import pytest
+from helpers import micro_config
+from serving_helpers import Running
+
+from laplace_jax.errors import UserError
+from laplace_jax.profiling import parse_steps, trace_files
+from laplace_jax.train.loop import run
+
+
+def test_parse_steps_takes_first_and_last_both_included():
+    assert parse_steps("10:12") == (10, 12)
+    assert parse_steps(" 3 : 3 ") == (3, 3)
+    for bad in ("12:10", "0:2", "10", "a:b", "10:12:14", "-1:2"):
+        with pytest.raises(UserError, match="FIRST:LAST"):
+            parse_steps(bad)
+
+
+def test_train_traces_the_chosen_steps_into_the_workdir(tmp_path):
+    lines = []
+    run(
+        micro_config(train=dict(steps=4)),
+        str(tmp_path),
+        devices=jax.devices()[:1],
+        profile_steps=(2, 3),
+        log=lines.append,
+    )
+    (trace,) = trace_files(str(tmp_path / "tb"))
+    assert os.path.getsize(trace) > 0
+    assert any("profile of steps 2-3" in line and trace in line for line in lines), lines
+    # resumed past the range: nothing traced, and the log says so
+    lines.clear()
+    run(
+        micro_config(train=dict(steps=6)),
+        str(tmp_path),
+        devices=jax.devices()[:1],
+        profile_steps=(2, 3),
+        log=lines.append,
+    )
+    assert len(trace_files(str(tmp_path / "tb"))) == 1
+    assert any("no such step runs now (steps 5..6)" in line for line in lines), lines
+
+
+def test_serve_profile_window_writes_a_trace(tmp_path):
+    s = Running(max_num_seqs=1, prefill_chunk=16, buckets=[1], server_kw={"profile_dir": str(tmp_path)})
+    try:
+        assert httpx.post(s.url + "/stop_profile").status_code == 409  # nothing running yet
+        r = httpx.post(s.url + "/start_profile")
+        assert r.status_code == 200 and r.json()["status"] == "started"
+        assert httpx.post(s.url + "/start_profile").status_code == 409
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=120).status_code == 200
+        r = httpx.post(s.url + "/stop_profile")
+        assert r.status_code == 200
+        assert r.json()["trace"] in trace_files(str(tmp_path)) and os.path.getsize(r.json()["trace"]) > 0
+    finally:
+        s.close()
+
+
+def test_profile_routes_are_off_without_a_directory():
+    s = Running(max_num_seqs=1, prefill_chunk=16, buckets=[1])
+    try:
+        r = httpx.post(s.url + "/start_profile")
+        assert r.status_code == 404 and "--profile-dir" in r.json()["error"]["message"]
+    finally:
+        s.close()
