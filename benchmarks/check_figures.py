@@ -558,6 +558,23 @@ DECODE_ROWS = (
 CLAIMS += [("BENCHMARKS.md", f, _decode_row(*row)) for f, row in DECODE_ROWS]
 
 
+def _ab(row: str, text: str) -> Callable[[dict], str]:
+    """A median ratio of the side-by-side serving run, quoted as ``text`` with {} for the ratio."""
+    return lambda r: text.format(f"{r['rows'][row]['ratio_median']:.2f}x")
+
+
+CLAIMS += [
+    ("BENCHMARKS.md", "serve_cpu_unrolled_decode_ab.json", _ab(row, text))
+    for row, text in (
+        ("tiny roofline 1", "({} for one row's decode call, "),
+        ("tiny concurrency 16", "{} at\n  concurrency 16)"),
+        ("small_100m roofline 1", "({} for one row's decode call, "),
+        ("small_100m concurrency 1", "{} at concurrency 1)"),
+        ("small_100m concurrency 16", "faster at\n  concurrency 16 ({})"),
+    )
+]
+
+
 def _train_row(name: str) -> Callable[[dict], str]:
     """A training-step table row: config, params, tokens/step, step, tokens/s, MFU, memory."""
 
@@ -865,6 +882,7 @@ LOCATIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("BENCHMARKS.md", "decode_memory_3b_fp32w_bf16c.json"): _DECODE_MEMORY,
     ("BENCHMARKS.md", "decode_memory_3b_bf16_packed.json"): _DECODE_MEMORY,
     ("BENCHMARKS.md", "decode_memory_3b_bf16_concurrent_schedule.json"): _DECODE_MEMORY,
+    ("BENCHMARKS.md", "serve_cpu_unrolled_decode_ab.json"): _DECODE_MEMORY,
     ("BENCHMARKS.md", "gla_cpu.json"): ("## GLA kernel (`chunk_gla`)", "## Training step"),
     ("BENCHMARKS.md", "memory_kernel_3b_layer.json"): ("### Kernel memory",),
     ("BENCHMARKS.md", "memory_kernel_3b_layer_autodiff.json"): ("### Kernel memory",),

@@ -263,7 +263,7 @@ def test_byte_size_flag():
 
 def test_a_block_that_breaks_the_chunk_partition_is_refused():
     """The unit is the model's own kernel chunk (CFG.chunk_size = 16) and the prefill chunk."""
-    with pytest.raises(ValueError, match="multiple of 16 .the model's 16-token kernel chunk"):
+    with pytest.raises(ValueError, match=r"multiple of 16 \(the model's 16-token kernel chunk"):
         Engine(CFG, PARAMS, eos_id=0, prefill_chunk=16, prefix_cache_bytes=1 << 20, prefix_block=200)
     engine = Engine(CFG, PARAMS, eos_id=0, prefill_chunk=16, prefix_cache_bytes=1 << 20, prefix_block=48)
     assert engine.prefix.block == 48
