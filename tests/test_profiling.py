@@ -22,27 +22,19 @@ def test_parse_steps_takes_first_and_last_both_included():
             parse_steps(bad)
 
 
-def test_train_traces_the_chosen_steps_into_the_workdir(tmp_path):
+def _train_tracing_steps_2_3(workdir, steps: int) -> list[str]:
     lines = []
-    run(
-        micro_config(train=dict(steps=4)),
-        str(tmp_path),
-        devices=jax.devices()[:1],
-        profile_steps=(2, 3),
-        log=lines.append,
-    )
+    cfg = micro_config(train=dict(steps=steps))
+    run(cfg, str(workdir), devices=jax.devices()[:1], profile_steps=(2, 3), log=lines.append)
+    return lines
+
+
+def test_train_traces_the_chosen_steps_into_the_workdir(tmp_path):
+    lines = _train_tracing_steps_2_3(tmp_path, 4)
     (trace,) = trace_files(str(tmp_path / "tb"))
     assert os.path.getsize(trace) > 0
     assert any("profile of steps 2-3" in line and trace in line for line in lines), lines
-    # resumed past the range: nothing traced, and the log says so
-    lines.clear()
-    run(
-        micro_config(train=dict(steps=6)),
-        str(tmp_path),
-        devices=jax.devices()[:1],
-        profile_steps=(2, 3),
-        log=lines.append,
-    )
+    lines = _train_tracing_steps_2_3(tmp_path, 6)  # resumed past the range: nothing traced, and the log says so
     assert len(trace_files(str(tmp_path / "tb"))) == 1
     assert any("no such step runs now (steps 5..6)" in line for line in lines), lines
 

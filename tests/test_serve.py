@@ -186,6 +186,24 @@ def test_bad_requests_get_openai_errors(srv, body, status, param):
     )
 
 
+@pytest.mark.parametrize(
+    ("route", "body", "message"),
+    [
+        ("/v1/completions", {"max_token": 4}, "unknown parameter 'max_token'; did you mean 'max_tokens'?"),
+        ("/v1/completions", {"temprature": 0}, "did you mean 'temperature'?"),
+        ("/v1/completions", {"zzz": 1}, "unknown parameter 'zzz'"),
+        ("/v1/chat/completions", {"tools": []}, "'tools' is not supported: this server does no tool calling"),
+        ("/v1/chat/completions", {"functions": []}, "does no function calling"),
+    ],
+)
+def test_unknown_fields_are_explained(srv, route, body, message):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    base = chat if "chat" in route else {"model": "tiny", "prompt": "x"}
+    r = httpx.post(srv.url + route, json={**base, **body})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.json()
+    assert r.json()["error"]["param"] == next(iter(body))
+
+
 def test_malformed_json(srv):
     r = httpx.post(srv.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()

@@ -29,6 +29,16 @@ from laplace_jax.tasks.recall import max_pairs, suite
 # (``platform.set_exact``) before JAX starts.
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default, unless it has none or its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or "(default:" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m laplace_jax.eval",
@@ -43,7 +53,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "perplexity": "loss, perplexity and tokens/s on a prepared dataset's split",
     }
     for name, text in helps.items():
-        p = sub.add_parser(name, help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = sub.add_parser(name, help=text, formatter_class=_Defaults)
         p.add_argument(
             "--checkpoint", required=True, nargs="+" if name == "recall" else None, help="workdir or model dir"
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import importlib.metadata
 import json
 import threading
@@ -54,10 +55,31 @@ def _parse(raw: bytes, model: type[pydantic.BaseModel]) -> Any:
         err = e.errors()[0]
         param = ".".join(str(x) for x in err.get("loc", [])) or None
         if err.get("type") == "extra_forbidden":
-            raise ApiError(400, f"unknown parameter {param!r}", param) from None
+            raise ApiError(400, _unknown(param, err.get("loc", ()), model), param) from None
         raise ApiError(400, f"{param or 'body'}: {err.get('msg', 'invalid value')}", param) from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply") from None
+
+
+UNSUPPORTED = {  # OpenAI fields a client may send that this server does not implement
+    "tools": "tool calling",
+    "tool_choice": "tool calling",
+    "functions": "function calling",
+    "function_call": "function calling",
+    "parallel_tool_calls": "tool calling",
+    "audio": "audio output",
+    "modalities": "audio output",
+}
+
+
+def _unknown(param: str | None, loc: tuple, model: type[pydantic.BaseModel]) -> str:
+    """Why a field is refused: not supported (a known OpenAI feature), or a misspelling (with the
+    nearest field name), or simply unknown."""
+    if len(loc) == 1 and param in UNSUPPORTED:
+        return f"{param!r} is not supported: this server does no {UNSUPPORTED[param]}"
+    known = model.model_fields if len(loc) == 1 else {}
+    near = difflib.get_close_matches(str(param), list(known), n=1)
+    return f"unknown parameter {param!r}" + (f"; did you mean {near[0]!r}?" if near else "")
 
 
 class Server:
