@@ -19,11 +19,13 @@ tried. Loaders for inference refuse a damaged step and name the flag that picks 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -165,15 +167,34 @@ def load_model(path: str, device: jax.Device | None = None) -> tuple[ModelConfig
     return cfg, params
 
 
+@contextlib.contextmanager
+def _quiet_absl(quiet: bool) -> Iterator[None]:
+    """absl's warnings off inside the block when ``quiet`` (Orbax's notes on a read-only manager)."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    if quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 class TrainCheckpointer:
     """Save / restore training state under ``workdir/checkpoints``; ``read_only`` creates nothing."""
 
     def __init__(self, workdir: str, keep: int = 3, every: int = 100, read_only: bool = False):
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, save_interval_steps=every, create=not read_only, read_only=read_only
-        )
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "config"))
+        with _quiet_absl(read_only):  # Orbax warns that a reader is a reader: "directory is read only" and two more
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=None if read_only else keep,
+                save_interval_steps=0 if read_only else every,
+                create=not read_only,
+                read_only=read_only,
+            )
+            self.manager = ocp.CheckpointManager(
+                self.directory, options=options, item_names=("state", "data", "config")
+            )
         self._lead = jax.process_index() == 0
         self._unsealed: set[int] = set()
         self._sealer = ThreadPoolExecutor(1)
@@ -267,6 +288,16 @@ class TrainCheckpointer:
             multihost_utils.sync_global_devices(f"set aside {step}")
         self.manager.reload()
         return dst
+
+    def restore_counters(self, step: int) -> dict[str, int]:
+        """The train state's scalar counters (``step``, ``skipped``, ``nonfinite``) alone, on the host."""
+        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        item = {k: jax.ShapeDtypeStruct((), np.int32, sharding=one) for k in ("step", "skipped", "nonfinite")}
+        args = ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+        )
+        state = self.manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+        return {k: int(v) for k, v in jax.device_get(state).items()}
 
     def restore_params(self, step: int, abstract_params: Any) -> Any:
         """Only the parameters, onto the shardings in ``abstract_params`` (e.g. one device)."""

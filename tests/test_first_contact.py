@@ -22,13 +22,15 @@ def test_a_refused_run_leaves_no_directory(tmp_path):
 def test_rerunning_a_finished_run_trains_nothing_and_says_so(tmp_path, capsys):
     cfg = micro_config(train=dict(steps=6, eval_every=3, ckpt_every=3))
     lines = []
-    run(cfg, str(tmp_path), devices=jax.devices()[:1], log=lines.append)
+    first = run(cfg, str(tmp_path), devices=jax.devices()[:1], log=lines.append)
     assert any(line.startswith("done: step 6") for line in lines)
     assert "step 3: eval loss" in capsys.readouterr().out  # eval losses reach the console, not only the log
     before = (tmp_path / "metrics.jsonl").read_text()
     lines.clear()
     out = run(cfg, str(tmp_path), devices=jax.devices()[:1], log=lines.append)
     assert out["history"] == [] and any(line.startswith("nothing to train") for line in lines), lines
+    assert not any("compiling the step" in line for line in lines), lines  # read from the workdir, nothing built
+    assert (out["step"], out["eval_loss"], out["skipped"]) == (6, first["eval_loss"], first["skipped"])
     assert not any("nan" in line for line in lines)
     assert (tmp_path / "metrics.jsonl").read_text() == before  # no second final eval
     evals = [r for r in map(json.loads, before.splitlines()) if "eval_loss" in r]

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from laplace_jax import platform
-from laplace_jax.checkpoint import TrainCheckpointer
+from laplace_jax.checkpoint import TrainCheckpointer, damage
 from laplace_jax.config import RunConfig
 from laplace_jax.data.pipeline import train_batches
 from laplace_jax.data.sources import TrainingData
@@ -77,6 +77,8 @@ def run(
     """Train (or resume) and return a summary. ``max_steps`` stops early; ``devices`` defaults to
     all; ``profile_steps`` (first, last): a ``jax.profiler`` trace of those steps into <workdir>/tb."""
     _check_workdir(workdir)
+    if (done := _finished(config, workdir, log)) is not None:
+        return done
     lead, t = jax.process_index() == 0, config.train
     if lead:
         log(f"{workdir}: building the training data and compiling the step (tens of seconds on a CPU)")
@@ -155,6 +157,45 @@ def _step_log(trainer: Trainer, writer: MetricsWriter, peak: float, start: int, 
         end=end,
         show=show,
     )
+
+
+def _finished(config: RunConfig, workdir: str, log) -> dict[str, Any] | None:
+    """The summary of a run that already reached ``train.steps``, read from its newest checkpoint's
+    config and its metrics.jsonl without building data or compiling; None whenever anything is
+    left to do or to check (the full path then resumes, verifies or refuses as usual)."""
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    if jax.process_count() > 1 or not os.path.exists(metrics_path):
+        return None
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        return None
+    ckpt = TrainCheckpointer(workdir, read_only=True)
+    try:
+        step = ckpt.latest_step()
+        if step is None or step < config.train.steps or damage(ckpt.step_dir(step)) is not None:
+            return None
+        try:
+            _same_run(ckpt.saved_config(step), _config_dict(config))
+        except UserError:
+            return None
+        counters = ckpt.restore_counters(step)
+    finally:
+        ckpt.close()
+    with open(metrics_path) as f:
+        evals = [r["eval_loss"] for r in map(json.loads, f) if r.get("step") == step and "eval_loss" in r]
+    if not evals or counters["step"] != step:
+        return None
+    log(
+        f"nothing to train: {workdir} already reached step {step} (train.steps); eval loss {evals[-1]:.4f}. "
+        "Raise --config.train.steps to train further, or pass a new --workdir"
+    )
+    return {
+        "step": step,
+        "eval_loss": evals[-1],
+        "skipped": counters["skipped"],
+        "history": [],
+        "loss_png": plot_loss(workdir),
+        "workdir": os.path.abspath(workdir),
+    }
 
 
 def _make_workdir(workdir: str) -> None:
