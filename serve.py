@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         body_timeout=a.body_timeout,
         drain_timeout=a.drain_timeout,
         profile_dir=a.profile_dir,
-        on_ready=lambda line: print(f"{line} (http://{a.host}:{a.port})", flush=True),
+        log=lambda line: print(f"{line} (http://{a.host}:{a.port})", flush=True),
     )
     print(
         f"serving {path} as {server.model_name!r} on http://{a.host}:{a.port} ({cfg.dtype} compute, "

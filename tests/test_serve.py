@@ -355,6 +355,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
         out = proc.stdout.read()
         assert "(float32 compute, float32 weights, exact)" in out
         assert re.search(r"^ready: \d+ programs compiled in [\d.]+ s \(http://127\.0\.0\.1:\d+\)$", out, re.M), out
+        assert re.search(r"^stopped: 1 requests finished, 300 tokens generated \(http://", out, re.M), out
     finally:
         proc.kill()
 

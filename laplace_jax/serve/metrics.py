@@ -59,6 +59,11 @@ class ServeMetrics:
         self._synced: dict[str, int] = {}
         jax.monitoring.register_event_listener(self._on_event)
 
+    @staticmethod
+    def total(counter: Counter) -> int:
+        """A counter's value summed over its labels (what it exported, read back)."""
+        return int(sum(x.value for m in counter.collect() for x in m.samples if x.name.endswith("_total")))
+
     def _on_event(self, event: str, **_) -> None:
         if event == "/jax/compilation_cache/cache_hits":
             self.cache_hits.inc()

@@ -106,10 +106,11 @@ class Server:
         body_timeout: float = settings.BODY_TIMEOUT_S,
         drain_timeout: float = settings.DRAIN_TIMEOUT_S,
         profile_dir: str | None = None,
-        on_ready: Callable[[str], None] | None = None,
+        log: Callable[[str], None] | None = None,
     ):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.trace = None if profile_dir is None else Trace(profile_dir)
+        self.log = log
         self.gen = Generation(engine, tokenizer, model_name, defaults)
         self.metrics: ServeMetrics = engine.metrics
         self.drain_timeout = drain_timeout
@@ -117,7 +118,7 @@ class Server:
         self.created = int(time.time())
         progress = lambda msg: setattr(self, "warm_progress", msg)  # noqa: E731
         self.thread = threading.Thread(
-            target=engine.serve_forever, args=(progress, on_ready), name="engine", daemon=True
+            target=engine.serve_forever, args=(progress, log), name="engine", daemon=True
         )
         self.app = Boundary(self._build(), api_key, protect_metrics, max_body_bytes, body_timeout)
 
@@ -167,6 +168,10 @@ class Server:
             yield
             self.begin_shutdown()  # no-op if a signal already started it (the earlier deadline wins)
             await asyncio.to_thread(self.engine.stop, True, self.drain_timeout)
+            if self.log:
+                m = self.metrics
+                done, tokens = m.total(m.finished), m.total(m.generation_tokens)
+                self.log(f"stopped: {done:,} requests finished, {tokens:,} tokens generated")
 
         app = FastAPI(title="laplace-jax", lifespan=lifespan)
         self._add_error_handlers(app)
