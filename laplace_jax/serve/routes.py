@@ -117,9 +117,7 @@ class Server:
         self.warm_progress = "starting"
         self.created = int(time.time())
         progress = lambda msg: setattr(self, "warm_progress", msg)  # noqa: E731
-        self.thread = threading.Thread(
-            target=engine.serve_forever, args=(progress, log), name="engine", daemon=True
-        )
+        self.thread = threading.Thread(target=engine.serve_forever, args=(progress, log), name="engine", daemon=True)
         self.app = Boundary(self._build(), api_key, protect_metrics, max_body_bytes, body_timeout)
 
     def begin_shutdown(self) -> None:
