@@ -1,5 +1,6 @@
 """A tiny served model, its reference greedy decode, and a server on a loopback port (serving tests)."""
 
+import httpx
 import jax
 import jax.numpy as jnp
 import openai
@@ -48,3 +49,7 @@ class Running(BackgroundServer):
 
     def client(self):
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def post(self, body=None, route="/v1/completions", **kw):
+        """POST ``body`` as JSON to ``route`` (httpx's response; ``kw``: headers and the like)."""
+        return httpx.post(self.url + route, json=body, timeout=120, **kw)

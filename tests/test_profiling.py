@@ -3,7 +3,6 @@ jax.profiler trace files that TensorBoard / XProf read (checked on CPU for the f
 
 import os
 
-import httpx
 import jax
 import pytest
 from helpers import micro_config
@@ -42,13 +41,13 @@ def test_train_traces_the_chosen_steps_into_the_workdir(tmp_path):
 def test_serve_profile_window_writes_a_trace(tmp_path):
     s = Running(max_num_seqs=1, prefill_chunk=16, buckets=[1], server_kw={"profile_dir": str(tmp_path)})
     try:
-        assert httpx.post(s.url + "/stop_profile").status_code == 409  # nothing running yet
-        r = httpx.post(s.url + "/start_profile")
+        assert s.post(route="/stop_profile").status_code == 409  # nothing running yet
+        r = s.post(route="/start_profile")
         assert r.status_code == 200 and r.json()["status"] == "started"
-        assert httpx.post(s.url + "/start_profile").status_code == 409
+        assert s.post(route="/start_profile").status_code == 409
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
-        assert httpx.post(s.url + "/v1/completions", json=body, timeout=120).status_code == 200
-        r = httpx.post(s.url + "/stop_profile")
+        assert s.post(body).status_code == 200
+        r = s.post(route="/stop_profile")
         assert r.status_code == 200
         assert r.json()["trace"] in trace_files(str(tmp_path)) and os.path.getsize(r.json()["trace"]) > 0
     finally:
@@ -58,7 +57,7 @@ def test_serve_profile_window_writes_a_trace(tmp_path):
 def test_profile_routes_are_off_without_a_directory():
     s = Running(max_num_seqs=1, prefill_chunk=16, buckets=[1])
     try:
-        r = httpx.post(s.url + "/start_profile")
+        r = s.post(route="/start_profile")
         assert r.status_code == 404 and "--profile-dir" in r.json()["error"]["message"]
     finally:
         s.close()

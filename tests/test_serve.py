@@ -177,13 +177,10 @@ def test_disconnect_frees_slot(srv):
     ],
 )
 def test_bad_requests_get_openai_errors(srv, body, status, param):
-    r = httpx.post(srv.url + "/v1/completions", json=body)
+    r = srv.post(body)
     assert r.status_code == status
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
-    assert (
-        httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "a", "max_tokens": 2}).status_code
-        == 200
-    )
+    assert srv.post({"model": "tiny", "prompt": "a", "max_tokens": 2}).status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -214,10 +211,7 @@ def test_queue_overflow_gives_429():
     try:
         body = {"model": "tiny", "prompt": "a", "max_tokens": 500, "ignore_eos": True}
         codes = []
-        threads = [
-            threading.Thread(target=lambda: codes.append(httpx.post(s.url + "/v1/completions", json=body, timeout=120)))
-            for _ in range(4)
-        ]
+        threads = [threading.Thread(target=lambda: codes.append(s.post(body))) for _ in range(4)]
         for t in threads:
             t.start()
         for t in threads:

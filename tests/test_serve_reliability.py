@@ -36,12 +36,8 @@ def srv():
     s.close()
 
 
-def post(srv, body, path="/v1/completions", **kw):
-    return httpx.post(srv.url + path, json=body, timeout=120, **kw)
-
-
 def complete(srv, **fields):
-    r = post(srv, {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, **fields})
+    r = srv.post({"model": "tiny", "prompt": PROMPT, "max_tokens": 24, **fields})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
@@ -87,7 +83,7 @@ def sse(r) -> list[dict]:
     ],
 )
 def test_out_of_range_fields_get_400_naming_them(srv, fields, param):
-    r = post(srv, {"model": "tiny", "prompt": "x", **fields})
+    r = srv.post({"model": "tiny", "prompt": "x", **fields})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
@@ -95,8 +91,8 @@ def test_out_of_range_fields_get_400_naming_them(srv, fields, param):
 
 
 def test_chat_fields_are_checked_too(srv):
-    r = post(
-        srv, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "/v1/chat/completions"
+    r = srv.post(
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "/v1/chat/completions"
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
 
@@ -108,7 +104,7 @@ def test_edge_values_are_accepted(srv):
 
 def test_body_size_is_capped_with_413(srv):
     big = {"model": "tiny", "prompt": "a", "user": "u" * (1 << 20)}
-    r = post(srv, big)
+    r = srv.post(big)
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
 
     def chunks():  # no Content-Length: the cap applies while reading
@@ -139,13 +135,13 @@ def test_a_failing_prefill_ends_only_that_request(srv):
         results = {}
 
         def good(i):
-            r = post(srv, {"model": "tiny", "prompt": f"req {i}", "max_tokens": 40, "temperature": 0, "stream": True})
+            r = srv.post({"model": "tiny", "prompt": f"req {i}", "max_tokens": 40, "temperature": 0, "stream": True})
             results[i] = "".join(c["choices"][0]["text"] for c in sse(r))
 
         threads = [threading.Thread(target=good, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()
-        bad = post(srv, {"model": "tiny", "prompt": [65, POISON, 66], "max_tokens": 8})
+        bad = srv.post({"model": "tiny", "prompt": [65, POISON, 66], "max_tokens": 8})
         for t in threads:
             t.join(120)
     finally:
@@ -268,7 +264,7 @@ def test_no_compile_after_warmup_from_jax_events(srv):
         {"prompt": "long " * 30, "max_tokens": 20, "top_k": 5, "stop_token_ids": [10, 20]},
         {"prompt": [1, 2, 3], "max_tokens": 9, "top_p": 0.5, "stop": ["zz"], "echo": True},
     ]
-    threads = [threading.Thread(target=post, args=(srv, {"model": "tiny", **b})) for b in bodies * 3]
+    threads = [threading.Thread(target=srv.post, args=({"model": "tiny", **b},)) for b in bodies * 3]
     for t in threads:
         t.start()
     for t in threads:
@@ -284,8 +280,8 @@ def test_the_counter_sees_real_compiles():
     s = Running(max_num_seqs=3, prefill_chunk=16, steps_per_call=2, buckets="exact")
     try:
         COMPILES.clear()
-        threads = [threading.Thread(target=post, args=(s, {"model": "tiny", "prompt": "ab", "max_tokens": 30}))]
-        threads += [threading.Thread(target=post, args=(s, {"model": "tiny", "prompt": "c", "max_tokens": 30}))]
+        threads = [threading.Thread(target=s.post, args=({"model": "tiny", "prompt": "ab", "max_tokens": 30},))]
+        threads += [threading.Thread(target=s.post, args=({"model": "tiny", "prompt": "c", "max_tokens": 30},))]
         for t in threads:
             t.start()
         for t in threads:
@@ -304,10 +300,10 @@ def test_api_key_guards_v1_and_optionally_metrics():
     try:
         body = {"model": "tiny", "prompt": "a", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-            r = post(s, body, headers=headers)
+            r = s.post(body, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(s.url + "/v1/models").status_code == 401
-        assert post(s, body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert s.post(body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert httpx.get(s.url + "/health").status_code == 200
         assert httpx.get(s.url + "/metrics").status_code == 401
         assert httpx.get(s.url + "/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
@@ -376,7 +372,7 @@ def test_chat_stops_at_the_role_marker():
     s = Running(tokenizer=Marking(), max_num_seqs=1, prefill_chunk=16, buckets=[1])
     try:
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 0}
-        r = post(s, body, "/v1/chat/completions").json()
+        r = s.post(body, "/v1/chat/completions").json()
         assert r["choices"][0]["finish_reason"] == "stop"
         assert r["choices"][0]["message"]["content"] == Marking().decode(out[:k])
     finally:
