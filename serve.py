@@ -119,6 +119,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
         "(default: $LAPLACE_API_KEY; unset = no auth)",
     )
+    ap.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     ap.add_argument("--protect-metrics", action="store_true", help="require the API key on /metrics too")
     ap.add_argument(
         "--drain-timeout",
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.profile_dir:
         print(f"  profiling: POST /start_profile and /stop_profile write traces to {a.profile_dir}")
     limits = {"header_timeout": a.header_timeout, "keep_alive": a.keep_alive, "max_connections": a.max_connections}
-    make_uvicorn(server, a.host, a.port, **limits).run()
+    make_uvicorn(server, a.host, a.port, log_level="info" if a.access_log else "warning", **limits).run()
     return 0
 
 

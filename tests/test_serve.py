@@ -338,7 +338,7 @@ def stream_then_sigterm(proc, url: str, body: dict) -> tuple[list[str], float]:
 def test_sigterm_drains_in_flight_requests(tmp_path):
     import signal
 
-    proc, url = start_serve_py(tmp_path, "--exact")  # exercises that switch end to end as well
+    proc, url = start_serve_py(tmp_path, "--exact", "--access-log")  # exercises those switches end to end as well
     try:
         body = {"model": "m", "prompt": "abc", "max_tokens": 300, "stream": True, "ignore_eos": True}
         lines, _ = stream_then_sigterm(proc, url, body)
@@ -350,6 +350,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
         assert "(float32 compute, float32 weights, exact)" in out
         assert re.search(r"^ready: \d+ programs compiled in [\d.]+ s \(http://127\.0\.0\.1:\d+\)$", out, re.M), out
         assert re.search(r"^stopped: 1 requests finished, 300 tokens generated \(http://", out, re.M), out
+        assert '"POST /v1/completions HTTP/1.1" 200' in out  # the access log
     finally:
         proc.kill()
 
