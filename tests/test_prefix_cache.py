@@ -104,7 +104,8 @@ def test_budget_below_one_state_is_off():
 
 # ----- the engine ---------------------------------------------------------------------------
 def engine(cache_bytes: int, cfg=CFG, params=PARAMS, devices: int = 1, **kw) -> Engine:
-    kw = {"max_num_seqs": 2, "prefill_chunk": 16, "steps_per_call": 3, "max_model_len": 512, **kw}
+    # 128-token blocks (the default for this model would be lcm(chunk_size 16, prefill chunk 16) = 16)
+    kw = {"max_num_seqs": 2, "prefill_chunk": 16, "steps_per_call": 3, "max_model_len": 512, "prefix_block": 128, **kw}
     e = Engine(cfg, params, eos_id=TOK.eos_id, prefix_cache_bytes=cache_bytes, devices=jax.devices()[:devices], **kw)
     e.warmup()
     return e
@@ -130,7 +131,7 @@ def test_shared_prefix_is_bit_identical_and_prefilled_once(shared):
     for x, y in zip(a, b, strict=True):
         assert x.tokens == y.tokens
         assert x.logprobs == y.logprobs  # exact: same prefill calls from the same state
-    cached = shared // 128 * 128  # block = lcm(128, prefill chunk 16)
+    cached = shared // 128 * 128  # the engine's 128-token block
     assert pa == [len(p) for p in prompts]
     assert pb == [len(prompts[0])] + [len(p) - cached for p in prompts[1:]]
     assert (on.prefix.stats.hits, on.prefix.stats.cached_tokens) == (2, 2 * cached)

@@ -248,28 +248,23 @@ class Server:
             )
 
     def _add_profile_routes(self, app: FastAPI) -> None:
-        def tracer() -> Trace:
+        async def toggle(action: str) -> Any:  # the trace's start or stop, off the event loop
             if self.trace is None:
-                raise ApiError(
-                    404, "profiling is off: start the server with --profile-dir DIR", None, "not_found_error"
-                )
-            return self.trace
+                why = "profiling is off: start the server with --profile-dir DIR"
+                raise ApiError(404, why, None, "not_found_error")
+            try:
+                return await asyncio.to_thread(getattr(self.trace, action))
+            except UserError as e:
+                raise ApiError(409, str(e)) from None
 
         @app.post("/start_profile")
         async def start_profile():
-            try:
-                await asyncio.to_thread(tracer().start)
-            except UserError as e:
-                raise ApiError(409, str(e)) from None
+            await toggle("start")
             return {"status": "started", "dir": self.trace.directory}
 
         @app.post("/stop_profile")
         async def stop_profile():
-            try:
-                path = await asyncio.to_thread(tracer().stop)
-            except UserError as e:
-                raise ApiError(409, str(e)) from None
-            return {"status": "stopped", "trace": path}
+            return {"status": "stopped", "trace": await toggle("stop")}
 
     def _add_tokenizer_routes(self, app: FastAPI) -> None:
         @app.get("/tokenizer_info")
