@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         chip, devices = tpu_devices("v5p:1x1x1")
         reps = decode_reports(chip, devices, load_run_config("configs/3b.py"), 256)
         res["rows"]["decode"] = [_headline(r, a.top, a.full) for r in reps]
-        serve = serve_reports(chip, devices, load_run_config("configs/3b.py"), 256, ["256"], 512, SERVE_STEPS)
+        config_3b = load_run_config("configs/3b.py")
+        serve = serve_reports(chip, devices, config_3b, 256, ["256"], 512, SERVE_STEPS, programs=("decode",))
         (rep,) = [r for r in serve if r["program"] == "decode W=256"]
         row = _headline(rep, a.top, a.full)
         row.update(program="serving decode W=256", steps_per_call=SERVE_STEPS)

@@ -179,7 +179,16 @@ def prefill_reports(chip, devices, config, lengths: list[int]) -> list[dict[str,
     return out
 
 
-def serve_reports(chip, devices, config, max_num_seqs: int, buckets: str, prefill_chunk: int, steps: int):
+def serve_reports(
+    chip,
+    devices,
+    config,
+    max_num_seqs: int,
+    buckets: str,
+    prefill_chunk: int,
+    steps: int,
+    programs: tuple[str, ...] = ("prefill", "decode", "sampler"),
+):
     """Serving's programs on ``devices`` (slots over a ``data`` mesh): prefill, each decode
     bucket and the sampler, with per-chip limits (weights once, the state in and out)."""
     import jax
@@ -202,7 +211,7 @@ def serve_reports(chip, devices, config, max_num_seqs: int, buckets: str, prefil
     n_params = count_params(abstract_params(cfg))  # serving places bf16 weights as they are off CPU
     out = []
     for name, width, fn, args, donate in serving_programs(lay, params, max_num_seqs, prefill_chunk, widths):
-        if name not in ("prefill", "decode"):
+        if name not in programs or name == "sampler":
             continue
         rows, tokens = (1, prefill_chunk) if name == "prefill" else (width, steps)
         weights, state = _weight_and_state_bytes(cfg, rows)
@@ -210,6 +219,8 @@ def serve_reports(chip, devices, config, max_num_seqs: int, buckets: str, prefil
         what = f"{name} [{prefill_chunk} tokens x 1 row per chip]" if name == "prefill" else f"decode W={width}"
         per_call = weights * (1 if name == "prefill" else steps) + 2 * state
         out.append(report(compiled, chip, what, flops=2 * n_params * rows * tokens, bytes_=per_call))
+    if "sampler" not in programs:
+        return out
     W, V = max(widths), cfg.vocab_size
     tpl = row_template(lay.prng, V)
     rows = {k: jax.ShapeDtypeStruct((W, *s), d) for k, (s, d, _) in tpl.items()}
