@@ -178,6 +178,16 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("BENCHMARKS.md", "plan_3b.json", lambda r: f"{r['memory_per_device']['temporaries'] / GiB:.2f} GiB"),
     (
         "BENCHMARKS.md",
+        "plan_3b_concurrent_schedule.json",
+        lambda r: f"temporaries are {r['memory_per_device']['temporaries'] / GiB:.2f} GiB again",
+    ),
+    (
+        "BENCHMARKS.md",
+        "plan_3b_concurrent_schedule.json",
+        lambda r: f"{r['memory_per_device']['temporaries'] / GiB:.2f} GiB before\nthe package set",
+    ),
+    (
+        "BENCHMARKS.md",
         "plan_3b.json",
         lambda r: f"{r['train_step_collectives_by_source']['muon']['all-to-all']['bytes'] / 1e9:.3f} GB",
     ),
@@ -887,6 +897,9 @@ LOCATIONS: dict[tuple[str, str], tuple[str, ...]] = {
     ("BENCHMARKS.md", "memory_kernel_3b_layer.json"): ("### Kernel memory",),
     ("BENCHMARKS.md", "memory_kernel_3b_layer_autodiff.json"): ("### Kernel memory",),
     ("BENCHMARKS.md", "muon_3b.json"): ("## Distributed Muon (3B, 64 ranks, read from compiled HLO)",),
+    ("BENCHMARKS.md", "plan_3b_concurrent_schedule.json"): (
+        "## 3B training plan (64 fake devices, nothing allocated)",
+    ),
     ("BENCHMARKS.md", "plan_3b.json"): (
         "## 3B training plan (64 fake devices, nothing allocated)",
         "## Distributed Muon (3B, 64 ranks, read from compiled HLO)",

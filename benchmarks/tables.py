@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 
 RESULTS = os.path.join("benchmarks", "results")
-DOCS = ("README.md", "BENCHMARKS.md", *(os.path.join("docs", f) for f in ("tpu.md",)))
+DOCS = ("README.md", "BENCHMARKS.md", *(os.path.join("docs", f) for f in ("tpu.md", "context.md")))
 
 
 def _ms(s: float) -> str:
@@ -113,6 +113,54 @@ def _tpu_calibration(r: dict) -> list[str]:
     return rows
 
 
+def _context_plans(r: dict) -> list[str]:
+    tpu = r["topology"] is not None
+    step = "step (compiler estimate)" if tpu else "step at peak"
+    rows = [
+        f"| run | mesh | tokens per device | memory per device | fits | context all-gather per op: received "
+        f"(formula) | all collectives on the wire | {step} | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for x in r["rows"]:
+        if "refused" in x:
+            rows.append(f"| {x['name']} | | {x['tokens_per_device']:,} | not compiled: {x['refused']} | | | | | |")
+            continue
+        mesh = " x ".join(f"{k} {v}" for k, v in x["mesh"].items())
+        mem = f"{_gib(x['memory']['total'])} of {_gib(x['device_memory'])}"
+        gather = x.get("context_all_gather")
+        cell = (
+            "none"
+            if gather is None
+            else (
+                f"{gather['received_bytes_per_op'] / 1e6:,.2f} MB ({gather['formula_bytes'] / 1e6:,.2f} MB), "
+                f"{gather['ops']:.0f} ops"
+            )
+        )
+        if tpu:
+            t = x["tpu_run"]
+            time, rate = _ms(t["step_s"]), f"{t['tokens_per_s']:,.0f}"
+        else:
+            time, rate = _ms(x["cost"]["compute_s_at_peak"]), f"{x['cost']['tokens_per_s']:,.0f}"
+        rows.append(
+            f"| {x['name']} | {mesh} | {x['tokens_per_device']:,} | {mem} | {'yes' if x['fits'] else 'no'} | "
+            f"{cell} | {x['wire_bytes'] / 1e9:,.2f} GB | {time} | {rate} |"
+        )
+    return rows
+
+
+def _context_kernel_tpu(r: dict) -> list[str]:
+    k = r["kernel"]
+    ctx = k["collectives"]["context"]["all-gather"]
+    return [
+        "| program | chips | compiler estimate | one chip, same slice from a zero state | added | temporaries "
+        "(one chip) | all-gather received (formula) |",
+        "|---|---|---|---|---|---|---|",
+        f"| {k['name']} | {k['chips']} | {_ms(k['context_s'])} | {_ms(k['one_chip_s'])} | "
+        f"{100 * k['overhead']:.1f}% | {_gib(k['context_temporaries'])} ({_gib(k['one_chip_temporaries'])}) | "
+        f"{ctx['wire'] / 1e6:,.2f} MB ({k['formula_bytes'] / 1e6:,.2f} MB) |",
+    ]
+
+
 # name -> (JSON files under benchmarks/results, renderer taking their contents in that order)
 TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "tpu_programs": (("tpu_programs.json",), _tpu_programs),
@@ -121,6 +169,9 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "tpu_prefill": (("tpu_programs.json",), _tpu_prefill),
     "tpu_calibration": (("tpu_calibration.json",), _tpu_calibration),
     "tpu_before_after": (("tpu_programs.json", "tpu_baseline.json"), _tpu_before_after),
+    "context_plans": (("context_plans.json",), _context_plans),
+    "context_plans_tpu": (("context_plans_tpu.json",), _context_plans),
+    "context_kernel_tpu": (("context_plans_tpu.json",), _context_kernel_tpu),
 }
 BLOCK = re.compile(r"(<!-- table:([\w\-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

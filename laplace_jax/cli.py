@@ -67,7 +67,7 @@ def plan_text(cfg: Any, topology: str | None, usd_per_chip_hour: float, as_json:
         reserve_cpu_devices(topology)
         rep = tpu_plan(cfg, topology, usd_per_chip_hour)
         return json.dumps(rep, indent=2) if as_json else format_tpu_plan(rep)
-    jax.config.update("jax_num_cpu_devices", max(1, cfg.mesh.data) * max(1, cfg.mesh.fsdp))
+    jax.config.update("jax_num_cpu_devices", max(1, cfg.mesh.data) * max(1, cfg.mesh.fsdp) * cfg.mesh.context)
     from laplace_jax.train.plan import format_plan, plan
 
     rep = plan(cfg)

@@ -356,16 +356,22 @@ DEFAULT_RULES = (
     ("norm", None),
     ("rank", None),
     ("conv", None),
+    ("context", "context"),
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(Block):
-    """The (data, fsdp) device mesh: axis sizes (-1: all remaining devices) and the logical axis
-    rules that bind the model's axis names to it (model code names no mesh axis)."""
+    """The (data, fsdp, context) device mesh: axis sizes and the logical axis rules that bind the
+    model's axis names to it (model code names no mesh axis). ``data`` and ``fsdp`` split a
+    batch's rows (fsdp shards the parameters too; -1: all remaining devices); ``context`` splits
+    each sequence into that many consecutive slices, one per device (context parallelism: the
+    train step's per-device activations shrink by that factor; data.seq_len must be a multiple of
+    context x model.chunk_size)."""
 
     data: int = 1
     fsdp: int = -1
+    context: int = 1
     rules: tuple[tuple[str, Any], ...] = DEFAULT_RULES
     BLOCK: typing.ClassVar[str] = "mesh"
 
@@ -375,6 +381,7 @@ class MeshConfig(Block):
                 raise ConfigError(f"mesh.{name} must be a positive size or -1 (the rest); got {getattr(self, name)}")
         if self.data == -1 and self.fsdp == -1:
             raise ConfigError("mesh.data and mesh.fsdp cannot both be -1")
+        _positive(self, "mesh", ("context",))
         for rule in self.rules:
             if len(rule) != 2 or not isinstance(rule[0], str):
                 raise ConfigError(f"mesh.rules holds (logical name, mesh axis or axes or None) pairs; got {rule!r}")
@@ -416,6 +423,23 @@ class RunConfig(Block):
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     plan: PlanConfig = dataclasses.field(default_factory=PlanConfig)
     BLOCK: typing.ClassVar[str] = "config"
+
+    def check(self) -> None:
+        cp, chunk, seq = self.mesh.context, self.model.chunk_size, self.data.seq_len
+        if cp == 1:
+            return
+        if seq % (cp * chunk):
+            raise ConfigError(
+                f"mesh.context={cp} splits each sequence into {cp} slices of whole chunks, so data.seq_len ({seq}) "
+                f"must be a multiple of context x model.chunk_size = {cp * chunk}; "
+                f"e.g. data.seq_len={max(1, round(seq / (cp * chunk))) * cp * chunk}"
+            )
+        if self.model.use_short_conv and seq // cp < self.model.conv_size:
+            raise ConfigError(
+                f"each slice ({seq // cp} tokens) must hold at least model.conv_size={self.model.conv_size} tokens"
+            )
+        if self.model.attn_impl == "recurrent":
+            raise ConfigError("mesh.context > 1 runs the chunk kernels; set model.attn_impl to chunk, pallas or auto")
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> RunConfig:

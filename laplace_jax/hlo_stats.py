@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from collections import defaultdict
 from typing import Any
@@ -32,6 +33,20 @@ _FRAME = re.compile(r"stack_frame_id=(\d+)")
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _CONSTANT = re.compile(r"constant\((-?\d+)\)")
 _GTE_INDEX = re.compile(r"get-tuple-element\(%?([\w.\-]+)\), index=(\d+)")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+# bytes one device sends per byte of an op's result, ring algorithms over a group of n:
+# all-gather and all-to-all (n-1)/n of the result, reduce-scatter n-1 shards, all-reduce
+# 2(n-1)/n of it; a collective-permute sends its buffer once
+RING = {
+    "all-gather": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: n - 1.0,
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+}
 
 
 def shape_bytes(text: str) -> int:
@@ -298,8 +313,12 @@ def loops(module: Module) -> list[dict[str, object]]:
 def source_of(op_name: str) -> str:
     """Which part of a train step a collective came from, by its JAX op_name: "embeddings" (the
     token table's gather and its gradient's reduce-scatter), "weights" (every other model
-    parameter's FSDP gather and gradient reduction, ``parallel.gathered``), "muon" (the
-    optimizer's all-to-alls), or "other" (the loss and the gradient norm)."""
+    parameter's FSDP gather and gradient reduction, ``parallel.gathered``), "context" (context
+    parallelism: the GLA states' all-gather and the short convolution's neighbour exchange, and
+    their transposes), "muon" (the optimizer's all-to-alls), or "other" (the loss and the
+    gradient norm)."""
+    if "context_states" in op_name or "context_halo" in op_name:
+        return "context"
     if "/embeddings/" in op_name:
         return "embeddings"
     if "GLALM" in op_name:
@@ -309,6 +328,20 @@ def source_of(op_name: str) -> str:
     return "other"
 
 
+def group_size(line: str, devices: int) -> int:
+    """How many devices one collective's replica group holds, from its HLO line (an explicit
+    list, the iota form [groups, size], or the mesh form with its named axes); ``devices`` when
+    the groups are empty (every device)."""
+    if m := _GROUPS_LIST.search(line):
+        return len(m.group(1).split(","))
+    if m := _GROUPS_IOTA.search(line):
+        return int(m.group(1))
+    if m := _GROUPS_MESH.search(line):
+        sizes = {k.strip("'"): int(v) for k, v in (a.split("=") for a in m.group(1).split(","))}
+        return math.prod(sizes[a.strip().strip("'")] for a in m.group(2).split(","))
+    return devices
+
+
 def collective_bytes(hlo: str) -> dict[str, dict[str, float]]:
     """Per-device bytes and op counts of each collective kind in one execution of the module.
 
@@ -316,18 +349,21 @@ def collective_bytes(hlo: str) -> dict[str, dict[str, float]]:
     exchanges; for all-gather: the gathered result). A collective inside a while body counts
     trip-count times; computations reached from several callers count once per call site.
     """
-    out: dict[str, dict[str, float]] = {k: {"bytes": 0.0, "ops": 0.0} for k in COLLECTIVES}
+    out: dict[str, dict[str, float]] = {k: {"bytes": 0.0, "ops": 0.0, "wire": 0.0} for k in COLLECTIVES}
     for by_kind in collectives_by_source(hlo).values():
         for kind, v in by_kind.items():
-            out[kind]["bytes"] += v["bytes"]
-            out[kind]["ops"] += v["ops"]
+            for key in out[kind]:
+                out[kind][key] += v[key]
     return out
 
 
 def collectives_by_source(hlo: str) -> dict[str, dict[str, dict[str, float]]]:
-    """``collective_bytes`` split by ``source_of`` the op: {source: {kind: {"bytes", "ops"}}}."""
+    """``collective_bytes`` split by ``source_of`` the op: {source: {kind: {"bytes", "ops",
+    "wire"}}}; "wire" is the bytes one device sends under ring algorithms over each op's own
+    replica group (``RING``, ``group_size``)."""
     module = Module(hlo)
     mult = module.multiplicities()
+    devices = int(m.group(1)) if (m := _PARTITIONS.search(hlo[:4000])) else 1
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name, lines in module.lines.items():
         factor = mult.get(name, 0.0)
@@ -337,7 +373,8 @@ def collectives_by_source(hlo: str) -> dict[str, dict[str, dict[str, float]]]:
                     lhs = line.split("=", 1)[1].split(kind)[0]
                     op = _OP_NAME.search(line)
                     src = out.setdefault(source_of(op.group(1) if op else ""), {})
-                    v = src.setdefault(kind, {"bytes": 0.0, "ops": 0.0})
+                    v = src.setdefault(kind, {"bytes": 0.0, "ops": 0.0, "wire": 0.0})
                     v["bytes"] += factor * shape_bytes(lhs)
                     v["ops"] += factor
+                    v["wire"] += factor * shape_bytes(lhs) * RING[kind](group_size(line, devices))
     return out

@@ -6,6 +6,8 @@
   whose gradient is a reduce-scatter (a custom VJP).
 - ``as_wire``: 16-bit float payloads cross collectives as their uint16 bits, because some
   backends (XLA:CPU) widen 16-bit float collectives to fp32; the Muon all-to-alls use it too.
+- ``context_axis`` / ``from_previous_slice``: context parallelism, where the train step splits
+  each sequence into consecutive slices along the mesh axis bound to the logical name "context".
 """
 
 from __future__ import annotations
@@ -53,6 +55,26 @@ def local_shape(shape: tuple[int, ...], axes: tuple[str | None, ...]) -> tuple[i
         1 if ax is None else math.prod(mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax)) for ax in spec
     ]
     return tuple(d // n for d, n in zip(shape, sizes, strict=True))
+
+
+def context_axis() -> str | None:
+    """The mesh axis that splits sequences into slices (the one the rules bind to the logical
+    name "context"), when we trace inside the train step's ``shard_map`` and it has more than one
+    device; None otherwise (one device, eval, serving: the whole sequence is here)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not in_shard_map(mesh):
+        return None
+    (ax,) = nn.logical_to_mesh_axes(("context",)) or (None,)
+    return ax if isinstance(ax, str) and mesh.shape[ax] > 1 else None
+
+
+def from_previous_slice(x: Array, axis: str) -> Array:
+    """Under context parallelism along ``axis``, the previous slice's ``x`` (zeros on the first
+    slice): one neighbour exchange. For what a slice needs of the tokens before it (the short
+    convolution's last inputs)."""
+    n = jax.lax.axis_size(axis)
+    with jax.named_scope("context_halo"):  # the name ``hlo_stats.source_of`` files it under
+        return as_wire(lambda y: jax.lax.ppermute(y, axis, [(i, i + 1) for i in range(n - 1)]), x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -107,13 +107,18 @@ def test_loaders_name_the_damaged_step_and_the_flag(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_during_checkpoint_writes_then_rerun_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("context", [1, 2])
+def test_kill_9_during_checkpoint_writes_then_rerun_resumes_exactly(tmp_path, context):
     """train.py writing a checkpoint every step is killed with SIGKILL mid-run; the rerun resumes
-    from the last complete checkpoint and ends with the losses of an uninterrupted run."""
+    from the last complete checkpoint and ends with the losses of an uninterrupted run. Also with
+    each sequence split over 2 devices (mesh.context=2)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = ["--config", "configs/tiny.py", "--config.train.steps=40", "--config.train.ckpt_every=1"]
     args += ["--config.train.eval_every=0", "--config.data.embedded_max_chars=300000"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if context > 1:
+        args += [f"--config.mesh.context={context}", "--config.mesh.fsdp=1"]
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={context}"
     straight = subprocess.run(
         [sys.executable, "train.py", *args, f"--workdir={tmp_path / 'a'}"], cwd=root, env=env, capture_output=True
     )

@@ -216,6 +216,10 @@ def test_cli_recall_bad_input_is_a_clear_error(model_dir, tmp_path, capsys):
     assert "without a tokenizer" in capsys.readouterr().err
     assert eval_main([*base, "--lengths", "64", "--levels", "40"]) == 2  # 40 pairs cannot fit 64 tokens
     assert "no sample fits" in capsys.readouterr().err
+    (tmp_path / "other.json").write_text('{"64|1": {"length": 64, "accuracy": 0.5}}')
+    for bad in (tmp_path / "missing.json", tmp_path / "other.json"):
+        assert eval_main([*base, "--compare", str(bad)]) == 2
+        assert f"--compare {bad}: not a results file" in capsys.readouterr().err
 
 
 @pytest.mark.slow

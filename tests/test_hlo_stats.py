@@ -109,3 +109,25 @@ def test_stack_frames_chain_to_their_callers():
     alone = TPU_LOOP.replace("2 {file_location_id=2 parent_frame_id=2}", "2 {file_location_id=2 parent_frame_id=0}")
     assert [f[1] for f in Module(alone).frames()[2]] == ["inner"]
     assert Module(TPU_LOOP).frames()[1] == [("/src/laplace_jax/ops/gla/chunk.py", "outer", 10)]
+
+
+def test_wire_bytes_use_each_collectives_own_group():
+    """On a 2 x 4 mesh, an all-gather over the 4-device axis and a reduce-scatter over the 2-device
+    one: their ring bytes follow their own groups ((n-1)/n of the result, n-1 shards), not the 8
+    devices, in each form a replica group is printed."""
+    from laplace_jax.hlo_stats import group_size
+
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[:8])
+
+    def body(x):
+        return jax.lax.psum_scatter(jax.lax.all_gather(x, "b", tiled=True), "a", tiled=True)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("a", "b"), out_specs=P(("a", "b")), check_vma=False))
+    stats = collective_bytes(f.lower(jax.ShapeDtypeStruct((16, 16), jnp.float32)).compile().as_text())
+    gathered = 8 * 16 * 4  # [8, 4 x 4] f32 after gathering b
+    assert stats["all-gather"]["bytes"] == gathered and stats["all-gather"]["wire"] == gathered * 3 / 4
+    assert stats["reduce-scatter"]["wire"] == stats["reduce-scatter"]["bytes"] * 1  # n - 1 = 1 shard
+    assert group_size("x = f32[4] all-gather(y), replica_groups={{0,1,2,3},{4,5,6,7}}", 8) == 4
+    assert group_size("x = f32[4] all-gather(y), replica_groups=[4,2]<=[2,4]T(1,0)", 8) == 2
+    assert group_size("x = f32[4] all-reduce(y), replica_groups=mesh['a'=2,'b'=4] {'b'}, to_apply=%r", 8) == 4
+    assert group_size("x = f32[4] all-reduce(y), replica_groups={}, to_apply=%r", 8) == 8

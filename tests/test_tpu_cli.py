@@ -76,3 +76,19 @@ def test_the_plans_mesh_is_sized_to_the_chips(data, fsdp, want):
     sized, note = sized_mesh(config, 4)
     assert (sized.mesh.data, sized.mesh.fsdp) == want
     assert bool(note) == (want != (data, fsdp))
+
+
+@pytest.mark.parametrize(("fsdp", "context", "want"), [(-1, 2, (1, -1, 2)), (4, 2, (1, 2, 2)), (2, 4, (1, 1, 4))])
+def test_the_plans_mesh_keeps_the_context_split_where_it_divides(fsdp, context, want):
+    """On 4 chips: the context size is kept and data x fsdp share the chips it leaves (the note
+    says when a size changed)."""
+    import dataclasses
+
+    from laplace_jax.config import load_run_config
+    from laplace_jax.train.tpu_plan import sized_mesh
+
+    config = load_run_config("configs/tiny.py")
+    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, data=1, fsdp=fsdp, context=context))
+    sized, note = sized_mesh(config, 4)
+    assert (sized.mesh.data, sized.mesh.fsdp, sized.mesh.context) == want
+    assert bool(note) == (want != (1, fsdp, context))

@@ -73,6 +73,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             )
             p.add_argument("--samples", type=int, default=16, help="samples per cell")
             p.add_argument("--seed", type=int, default=0)
+            p.add_argument(
+                "--compare",
+                nargs="+",
+                default=[],
+                metavar="JSON",
+                help="results of earlier recall runs (their recall_<suite>_<name>.json) to plot beside these",
+            )
         if name == "numerics":
             p.add_argument("--length", type=int, default=256, help="tokens per row (2 random rows)")
         if name == "perplexity":
@@ -103,12 +110,27 @@ def check_recall_args(a: argparse.Namespace, cfg) -> None:
         raise UserError("--samples must be at least 1")
 
 
+def earlier_results(path: str) -> dict:
+    """A results file an earlier ``recall`` wrote ({"length|level": {length, level, accuracy, n}})."""
+    try:
+        with open(path) as f:
+            res = json.load(f)
+        if not all({"length", "level", "accuracy", "n"} <= set(r) for r in res.values()):
+            raise ValueError("a cell lacks length, level, accuracy or n")
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        raise UserError(f"--compare {path}: not a results file of this command ({e})") from None
+    return res
+
+
 def recall(a: argparse.Namespace, loaded: list) -> None:
 
     from laplace_jax.eval.recall import curves, heatmaps, model_answers, score
     from laplace_jax.serve.engine import Engine
 
     results = {}
+    for path in a.compare:
+        name = os.path.splitext(os.path.basename(path))[0].removeprefix(f"recall_{a.suite}_")
+        results[name] = earlier_results(path)
     for cfg, params, tok, name in loaded:
         check_recall_args(a, cfg)
         samples = suite(a.suite, a.seed, a.lengths, a.levels, a.samples, lambda s, tok=tok: len(tok.encode(s)))

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from laplace_jax.parallel import gathered, local_shape
+from laplace_jax.parallel import context_axis, from_previous_slice, gathered, local_shape
 
 Array = jax.Array
 
@@ -122,7 +122,9 @@ class ShortConv(nn.Module):
         W = self.width
         kernel = sharded_param(self, "kernel", nn.initializers.normal(self.init_std), (W, D), ("conv", "heads"))
         k = gathered(kernel, ("conv", "heads"), self.dtype)
-        if cache_BxWD is None:
+        if cache_BxWD is None and (axis := context_axis()) is not None:  # the slice before ours
+            cache_BxWD = from_previous_slice(x_BxTxD[:, -W:].astype(self.dtype).reshape(B, W * D), axis)
+        elif cache_BxWD is None:  # a fresh sequence
             cache_BxWD = jnp.zeros((B, W * D), self.dtype)
         cache_BxWD = cache_BxWD.astype(self.dtype)
         if T == 1:  # the decode step: taps are slices of the flat cache

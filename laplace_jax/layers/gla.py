@@ -11,7 +11,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax.config import ModelConfig
 from laplace_jax.layers.common import GatedRMSNorm, Linear, ShortConv
-from laplace_jax.ops.gla import chunk_gla, gla_step, kernel_for, recurrent_gla
+from laplace_jax.ops.gla import chunk_gla, context_gla, gla_step, kernel_for, recurrent_gla
+from laplace_jax.parallel import context_axis
 
 Array = jax.Array
 LayerState = dict[str, Array]
@@ -69,6 +70,8 @@ class GatedLinearAttention(nn.Module):
             o = o[:, None]
         elif (kernel := kernel_for(cfg.attn_impl)) == "recurrent":
             o, s = recurrent_gla(q, k, v, gk, initial_state=s0)
+        elif (axis := context_axis()) is not None:  # this device holds one slice of each sequence
+            o, s = context_gla(q, k, v, gk, axis=axis, initial_state=s0, chunk_size=cfg.chunk_size, kernel=kernel)
         else:
             o, s = chunk_gla(q, k, v, gk, initial_state=s0, chunk_size=cfg.chunk_size, kernel=kernel)
         new_state["gla"] = s

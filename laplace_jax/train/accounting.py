@@ -16,12 +16,18 @@ def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     return 6.0 * matmul_params + 3.0 * gla
 
 
+def fits(mem: dict[str, int], available: int) -> bool:
+    """Whether a compiled step's memory leaves 5% of a device's ``available`` bytes free."""
+    return mem["total"] <= 0.95 * available
+
+
 def check_fit(mem: dict[str, int], available: int, n_devices: int) -> None:
     """Raise a UserError with advice when the step needs more than 95% of a device's memory."""
-    if mem["total"] > 0.95 * available:
+    if not fits(mem, available):
         raise UserError(
             f"the train step needs {mem['total'] / 2**30:.1f} GiB per device (arguments "
             f"{mem['arguments'] / 2**30:.1f}, temporaries {mem['temporaries'] / 2**30:.1f}) but a device has "
             f"{available / 2**30:.1f} GiB ({n_devices} devices). Use more devices (mesh.fsdp), a smaller "
-            "data.global_batch with train.grad_accum, model.remat=full (or save_gla), or inspect with --plan"
+            "data.global_batch with train.grad_accum, model.remat=full (or save_gla), long sequences split "
+            "across devices (mesh.context), or inspect with --plan"
         )

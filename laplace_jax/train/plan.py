@@ -5,9 +5,10 @@ the target hardware (``config.plan``). Nothing is allocated.
 The estimate is a roofline, not a measurement:
 - compute: the step's model FLOPs (``accounting.flops_per_token`` x tokens) per device over the
   device's dense bf16 peak, i.e. the step time at 100% MFU;
-- communication: the collectives' bytes on the wire per device (ring algorithms: all-gather and
-  all-to-all move (n-1)/n of their result, reduce-scatter (n-1) x its shard, all-reduce twice
-  (n-1)/n of its result) over the device's share of the interconnect;
+- communication: the collectives' bytes on the wire per device (ring algorithms over each op's
+  replica group of n: all-gather and all-to-all move (n-1)/n of their result, reduce-scatter
+  (n-1) x its shard, all-reduce twice (n-1)/n of its result) over the device's share of the
+  interconnect;
 - a step takes max(compute, comm) if the two overlap perfectly and their sum if they do not.
 """
 
@@ -20,8 +21,8 @@ from laplace_jax.config import PlanConfig, RunConfig
 from laplace_jax.hlo_stats import collective_bytes, collectives_by_source, memory_report
 from laplace_jax.optim import payload_dtype
 from laplace_jax.optim.comm_report import muon_comm_report
-from laplace_jax.sharding import FSDP
-from laplace_jax.train.accounting import flops_per_token
+from laplace_jax.sharding import CONTEXT, FSDP
+from laplace_jax.train.accounting import fits, flops_per_token
 from laplace_jax.train.trainer import Trainer
 
 # The original team's measured 3B training throughput on one trn2.48xlarge (64 logical cores),
@@ -35,12 +36,10 @@ def is_seed_model(n_params: int) -> bool:
     return abs(n_params / SEED_PARAMS - 1) < 0.01
 
 
-def wire_bytes(collectives: dict[str, dict[str, float]], n: int) -> dict[str, float]:
-    """Bytes one device sends per step, by kind, for ``collective_bytes`` results (result shapes)
-    under ring algorithms over ``n`` devices."""
-    f = (n - 1) / n
-    per_kind = {"all-gather": f, "all-to-all": f, "reduce-scatter": n * f, "all-reduce": 2 * f}
-    return {kind: v["bytes"] * per_kind.get(kind, 1.0) for kind, v in collectives.items() if v["ops"]}
+def wire_bytes(collectives: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Bytes one device sends per step, by kind, for ``collective_bytes`` results: ring
+    algorithms over each op's own replica group (a context group, an fsdp group, every device)."""
+    return {kind: v["wire"] for kind, v in collectives.items() if v["ops"]}
 
 
 def estimate_cost(
@@ -96,6 +95,7 @@ def plan(config: RunConfig) -> dict[str, Any]:
     compiled = trainer.compile()
     rep = step_report(config, trainer, compiled)
     rep["device_memory"] = platform.device_memory_bytes(config.train.device_memory_gib)
+    rep["fits"] = fits(rep["memory_per_device"], rep["device_memory"])  # the training run's own fit check
     wire = sum(rep["wire_bytes_per_device"].values())
     rep["cost"] = estimate_cost(
         config.plan,
@@ -117,7 +117,8 @@ def step_report(config: RunConfig, trainer: Trainer, compiled: Any) -> dict[str,
     coll = collective_bytes(hlo)
     rep = {
         "devices": n,
-        "mesh": dict(trainer.mesh.shape),
+        # the context axis only when it splits sequences: a context=1 report reads as before it existed
+        "mesh": {k: v for k, v in trainer.mesh.shape.items() if k != CONTEXT or v > 1},
         "params": trainer.n_params,
         "tokens_per_step": trainer.tokens_per_step,
         "total_steps": trainer.steps,
@@ -126,7 +127,7 @@ def step_report(config: RunConfig, trainer: Trainer, compiled: Any) -> dict[str,
         "train_step_collectives_per_device": coll,
         "train_step_collectives_by_source": collectives_by_source(hlo),
         "flops_per_token": flops_per_token(trainer.model_cfg, trainer.n_params),
-        "wire_bytes_per_device": wire_bytes(coll, n),
+        "wire_bytes_per_device": wire_bytes(coll),
     }
     if config.opt.optimizer == "muon" and trainer.mesh.shape[FSDP] > 1:
         comm = payload_dtype(config.opt.comm_dtype)
@@ -171,7 +172,7 @@ def format_collectives(rep: dict[str, Any]) -> list[str]:
         f"  outputs           {_gib(mem['outputs'])} ({_gib(mem['aliased'])} aliased to inputs)",
         f"  temporaries       {_gib(mem['temporaries'])}",
         f"  total             {_gib(mem['total'])} of {_gib(avail)} "
-        f"({100 * mem['total'] / avail:.0f}%){'  DOES NOT FIT' if mem['total'] > avail else ''}",
+        f"({100 * mem['total'] / avail:.0f}%){'' if fits(mem, avail) else '  DOES NOT FIT (train.py refuses it)'}",
         "collectives per device per step (trip counts applied; bytes of each op's result):",
     ]
     by_source = rep["train_step_collectives_by_source"]

@@ -18,20 +18,33 @@ from jax.sharding import PartitionSpec as P
 
 from laplace_jax.config import ModelConfig
 from laplace_jax.loss import loss_fn, loss_terms
+from laplace_jax.sharding import BATCH_AXES, CONTEXT
 
 State = dict[str, Any]
 
 
 def fsdp_value_and_grad(cfg: ModelConfig, mesh: Mesh, specs: Any) -> Any:
-    """(params, batch_BxT1) -> (loss, grads) with the batch split over every device of ``mesh``
-    and each device computing on its rows in a ``shard_map``. Parameters enter as their shards
-    (``specs``); the model all-gathers each weight where it is used (``parallel.gathered``),
-    and the transpose of that gather reduce-scatters its gradient, so gradients leave the region
-    as shards, never as full all-reduced arrays."""
+    """(params, batch_BxT1) -> (loss, grads) with the batch's rows split over the mesh's data
+    and fsdp axes, each row's tokens over its context axis, and each device computing on its
+    part in a ``shard_map``. Parameters enter as their shards (``specs``); the model all-gathers
+    each weight where it is used (``parallel.gathered``), and the transpose of that gather
+    reduce-scatters its gradient, so gradients leave the region as shards, never as full
+    all-reduced arrays.
+
+    Context parallelism (``mesh.context`` = P > 1): every device of a context group holds the
+    group's whole rows [b, T + 1] (int32 ids: small) and takes its slice's window of T/P + 1, so
+    inputs and shifted targets stay aligned across slice boundaries with no exchange; the model
+    passes what crosses a boundary (``ops/gla/context.py``, the short convolution's last inputs)."""
     axes = mesh.axis_names
+    slices = mesh.shape[CONTEXT]
 
     def local(params, batch_BxT1):
-        # Every device differentiates its own rows' share of the global mean; the gathers'
+        if slices > 1:
+            n = (batch_BxT1.shape[1] - 1) // slices
+            start = jax.lax.axis_index(CONTEXT) * n
+            batch_BxT1 = jax.lax.dynamic_slice_in_dim(batch_BxT1, start, n + 1, axis=1)
+
+        # Every device differentiates its own part's share of the global mean; the gathers'
         # transposes sum the shares. check_vma=False: those sums are written out in ``gathered``,
         # which every parameter passes through, so JAX must not add its own.
         def share(p):
@@ -42,7 +55,8 @@ def fsdp_value_and_grad(cfg: ModelConfig, mesh: Mesh, specs: Any) -> Any:
         mine, grads = jax.value_and_grad(share)(params)
         return jax.lax.psum(mine, axes), grads
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(axes)), out_specs=(P(), specs), check_vma=False)
+    in_specs = (specs, P(BATCH_AXES))
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(P(), specs), check_vma=False)
 
 
 def init_state(params: Any, tx: optax.GradientTransformation) -> State:

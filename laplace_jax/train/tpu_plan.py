@@ -38,16 +38,21 @@ def reserve_cpu_devices(topology: str) -> None:
 
 def sized_mesh(config: RunConfig, chips: int) -> tuple[RunConfig, str]:
     """The config with its mesh sized to ``chips`` when its own sizes do not multiply to that
-    (data kept where it divides, fsdp taking the rest), and a note saying what changed. A size of
-    -1 takes the chips the other axis leaves, as on real devices."""
+    (context and data kept where they divide, fsdp taking the rest), and a note saying what
+    changed. A size of -1 takes the chips the other axes leave, as on real devices."""
     m = config.mesh
-    data = m.data if m.data > 0 else (chips // m.fsdp if chips % m.fsdp == 0 else 1)
-    fsdp = m.fsdp if m.fsdp > 0 else chips // data
-    if data * fsdp == chips:
+    context = m.context if chips % m.context == 0 else 1
+    rows = chips // context  # the chips data x fsdp share
+    data = m.data if m.data > 0 else (rows // m.fsdp if rows % m.fsdp == 0 else 1)
+    fsdp = m.fsdp if m.fsdp > 0 else rows // data
+    if data * fsdp * m.context == chips:
         return config, ""
-    new_data = data if chips % data == 0 else 1
-    mesh = dataclasses.replace(m, data=new_data, fsdp=chips // new_data)
-    note = f"mesh sized to the {chips} chips: data={new_data} x fsdp={chips // new_data} (config: {m.data} x {m.fsdp})"
+    new_data = data if rows % data == 0 else 1
+    mesh = dataclasses.replace(m, data=new_data, fsdp=rows // new_data, context=context)
+    note = (
+        f"mesh sized to the {chips} chips: data={new_data} x fsdp={rows // new_data} x context={context} "
+        f"(config: {m.data} x {m.fsdp} x {m.context})"
+    )
     return dataclasses.replace(config, mesh=mesh), note
 
 

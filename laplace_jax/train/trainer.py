@@ -21,7 +21,16 @@ from laplace_jax.errors import UserError
 from laplace_jax.models.gla_lm import abstract_params, count_params, init_params
 from laplace_jax.optim.from_config import make_optimizer
 from laplace_jax.platform import prng_impl
-from laplace_jax.sharding import AXES, batch_sharding, make_mesh, param_shardings, param_specs, replicated
+from laplace_jax.sharding import (
+    BATCH_AXES,
+    DATA,
+    FSDP,
+    batch_sharding,
+    make_mesh,
+    param_shardings,
+    param_specs,
+    replicated,
+)
 from laplace_jax.train.step import eval_step, init_state, train_step
 
 
@@ -62,9 +71,10 @@ class Trainer:
         t, micro = config.train, self._micro_batch(config)
         self.steps = t.steps
         self.mesh = make_mesh(config.mesh, devices)
-        if micro % self.mesh.size:
+        rows = self.mesh.shape[DATA] * self.mesh.shape[FSDP]
+        if micro % rows:
             raise UserError(
-                f"micro-batch {micro} (global_batch / grad_accum) is not divisible by {self.mesh.size} devices; "
+                f"micro-batch {micro} (global_batch / grad_accum) is not divisible by data x fsdp = {rows} devices; "
                 "change data.global_batch or train.grad_accum"
             )
         self.rules = config.mesh.rules
@@ -75,7 +85,7 @@ class Trainer:
         shapes = jax.eval_shape(functools.partial(init_state, tx=self.tx), params_abs)
         self.state_shardings = state_shardings(shapes, self.param_shardings, replicated(self.mesh))
         self.abstract_state = _abstract(shapes, self.state_shardings)
-        self.batch_sharding = NamedSharding(self.mesh, P(None, AXES, None))
+        self.batch_sharding = NamedSharding(self.mesh, P(None, BATCH_AXES, None))  # rows whole on context
         seq = config.data.seq_len
         self.abstract_batch = jax.ShapeDtypeStruct(
             (t.grad_accum, micro, seq + 1), jnp.int32, sharding=self.batch_sharding

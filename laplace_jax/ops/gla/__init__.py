@@ -11,6 +11,7 @@ running a ``lax.scan`` over chunks for the state. Every exponent is a direct sum
 however strong the decay: inside a chunk, off-diagonal 16-token sub-blocks factor through the
 boundary of the row's sub-block, and the diagonal sub-blocks use exact pairwise exponents.
 ``recurrent_gla`` is the token-by-token scan (the oracle, and the decode path through ``gla_step``).
+``context_gla`` runs one sequence split across devices (context parallelism, ``context.py``).
 
 All accumulation is float32; matmul operands take the dtype of ``q`` (bf16 inputs -> bf16
 operands, fp32 accumulation). Outputs take the dtype of ``v``.
@@ -19,9 +20,10 @@ operands, fp32 accumulation). Outputs take the dtype of ``v``.
 from __future__ import annotations
 
 from laplace_jax.ops.gla.chunk import KERNELS, chunk_gla
+from laplace_jax.ops.gla.context import context_gla
 from laplace_jax.ops.gla.dispatch import kernel_for
 from laplace_jax.ops.gla.naive import naive_gla
 from laplace_jax.ops.gla.recurrent import recurrent_gla
 from laplace_jax.ops.gla.step import gla_step
 
-__all__ = ["KERNELS", "chunk_gla", "gla_step", "kernel_for", "naive_gla", "recurrent_gla"]
+__all__ = ["KERNELS", "chunk_gla", "context_gla", "gla_step", "kernel_for", "naive_gla", "recurrent_gla"]
