@@ -2,7 +2,7 @@
 ``mesh.context``, and the context collectives read from each compiled step against the formula.
 
     python -m benchmarks.bench_context --out benchmarks/results/context_plans.json   # 64 fake CPU devices
-    python -m benchmarks.bench_context --topology v5p:4x4x4 --out benchmarks/results/context_plans_tpu.json
+    python -m benchmarks.bench_context --topology v5p:4x4x8 --out benchmarks/results/context_plans_tpu.json
 
 Each row compiles the real sharded train step of ``configs/3b_32k.py`` (with overrides) in its own
 process and keeps: memory per device and whether train.py's fit check passes, the context
@@ -34,7 +34,9 @@ ROWS = {  # name -> overrides of configs/3b_32k.py (same 524,288 tokens per step
     },
     "128k, context 16 x fsdp 4": {**LONG, "data.global_batch": 4, "mesh.context": 16, "mesh.fsdp": 4},
 }
-TPU_ROWS = {"32k, context 8 x fsdp 8": {}}  # configs/3b_32k.py as it is, on 64 chips
+# 128 chips: with fewer than 16 fsdp ranks the TPU compiler outgrows a 24 GiB host (each rank's
+# share of Muon's Newton-Schulz grows; docs/context.md)
+TPU_ROWS = {"32k, context 8 x fsdp 16": {"mesh.fsdp": 16}}
 
 
 def _config(overrides: dict) -> RunConfig:
