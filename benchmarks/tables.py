@@ -31,6 +31,10 @@ def _gib(b: float) -> str:
     return f"{b / 2**30:.2f} GiB"
 
 
+def _mesh(sizes: dict) -> str:
+    return " x ".join(f"{k} {v}" for k, v in sizes.items())
+
+
 def _tpu_programs(r: dict) -> list[str]:
     rows = ["| program | TPU | compiler estimate | hand-counted limit | estimate / limit | temporaries per chip |"]
     rows.append("|---|---|---|---|---|---|")
@@ -52,7 +56,7 @@ def _tpu_train(r: dict) -> list[str]:
     for t in r["rows"].get("train", []):
         run, mem = t["run"], t["memory"]
         over = ", ".join(f"{b}.{k}={v}" for b, kv in t["overrides"].items() for k, v in kv.items())
-        mesh = " x ".join(f"{k} {v}" for k, v in t["mesh"].items())
+        mesh = _mesh(t["mesh"])
         rows.append(
             f"| `{t['config']}`{' ' + over if over else ''} | {t['topology']} | {mesh} | {_ms(run['step_s'])} | "
             f"{run['tokens_per_s']:,.0f} | {100 * run['mfu']:.1f}% | {_gib(mem['total'])} | "
@@ -125,7 +129,7 @@ def _context_plans(r: dict) -> list[str]:
         if "refused" in x:
             rows.append(f"| {x['name']} | | {x['tokens_per_device']:,} | not compiled: {x['refused']} | | | | | |")
             continue
-        mesh = " x ".join(f"{k} {v}" for k, v in x["mesh"].items())
+        mesh = _mesh(x["mesh"])
         mem = f"{_gib(x['memory']['total'])} of {_gib(x['device_memory'])}"
         gather = x.get("context_all_gather")
         cell = (

@@ -106,14 +106,13 @@ def context_gla(
     states = jnp.concatenate([s0[None], S_all], axis=0)  # [P + 1, ...]: the initial state, then the slices
     spans = jnp.asarray(_spans(P))
 
-    def fold(end, spans_p):
+    def fold(end):
         """sum_i [i - 1 < end] e^{D(i - 1, end)} * states[i], the state reaching slice ``end``."""
-        D = jnp.einsum("im,mbhk->ibhk", spans_p, G_all, precision=HIGHEST)
+        D = jnp.einsum("im,mbhk->ibhk", jnp.take(spans, end, axis=1), G_all, precision=HIGHEST)
         before = (jnp.arange(P + 1) <= end)[:, None, None, None, None]
         return jnp.sum(jnp.where(before, jnp.exp(D)[..., None] * states, 0.0), axis=0)
 
-    s_in = fold(p, jnp.take(spans, p, axis=1))
-    s_final = fold(P, spans[:, P])
+    s_in, s_final = fold(p), fold(P)
     b = _from_slice_start(g32, chunk_size)
     o_in = dot("bthk,bhkv->bthv", q.astype(f32) * (scale * jnp.exp(b)), s_in, q.dtype)
     return (o.astype(f32) + o_in).astype(v.dtype), s_final
