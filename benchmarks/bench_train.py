@@ -43,7 +43,7 @@ def bench(cfg: RunConfig, steps: int, peak: float) -> dict:
 
     t = median_seconds(one, repeats=steps, warmup=2)
     tps = trainer.tokens_per_step / t
-    fpt = flops_per_token(trainer.model_cfg, trainer.n_params)
+    fpt = flops_per_token(trainer.model_cfg, trainer.n_params, trainer.config.data.seq_len)
     return {
         "params": trainer.n_params,
         "batch": cfg.data.global_batch,

@@ -191,6 +191,7 @@ NOT_MEASURED: dict[tuple[str, str], dict[str, str]] = {
         "4x": "input",
         "29.5 MB": "reference",
     },
+    (R, "### Hybrids: what an attention window buys"): {"3x": "input"},  # control_3x's steps
     (R, "### `--exact`"): {"2 x": "input"},
     (R, "## Tests and CI"): {
         "85%": "reference",

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 
 RESULTS = os.path.join("benchmarks", "results")
-DOCS = ("README.md", "BENCHMARKS.md", *(os.path.join("docs", f) for f in ("tpu.md", "context.md")))
+DOCS = ("README.md", "BENCHMARKS.md", *(os.path.join("docs", f) for f in ("tpu.md", "context.md", "hybrid.md")))
 
 
 def _ms(s: float) -> str:
@@ -165,6 +165,53 @@ def _context_kernel_tpu(r: dict) -> list[str]:
     ]
 
 
+def _hybrid_recall(r: dict) -> list[str]:
+    """MQAR accuracy per (context length, pairs), every run's in each cell (in the runs' order), the window marked."""
+    acc = {n: {(c["length"], c["level"]): c["accuracy"] for c in run["grid"]} for n, run in r["runs"].items()}
+    levels = [p for p in r["levels"] if any((n, p) in acc["hybrid"] for n in r["lengths"])]
+    rows = [f"| context (tokens): {' / '.join(acc)} | " + " | ".join(f"{p} pair{'s' * (p > 1)}" for p in levels) + " |"]
+    rows.append("|---|" + "---|" * len(levels))
+    for n in r["lengths"]:
+        where = "inside" if n <= r["window"] else "beyond"
+        cells = [
+            " / ".join(f"{a[(n, p)]:.2f}" for a in acc.values()) if (n, p) in acc["hybrid"] else "" for p in levels
+        ]
+        rows.append(f"| {n:,} ({where} the window) | " + " | ".join(cells) + " |")
+    runs = r["runs"]
+    rows += [
+        "",
+        "| run | parameters | attention | state per sequence | steps x windows x tokens | final eval loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, x in runs.items():
+        attn = ", ".join(f"layers {a['layers']}, window {a['window_size']}" for a in x["attn"]) or "none"
+        rows.append(
+            f"| {name} | {x['params']:,} | {attn} | {x['state_bytes']:,} B | {x['steps']} x {x['global_batch']} x "
+            f"{x['seq_len']} | {x['eval_loss']:.4f} |"
+        )
+    return rows
+
+
+def _attention_tpu(r: dict) -> list[str]:
+    rows = [
+        "| TPU | pass | window | compiler estimate | hand-counted limit | estimate / limit | temporaries | "
+        "largest shares of the estimate |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for x in r["rows"]:
+        lim = x["limit"]
+        top = ", ".join(
+            f"{max(b['primitives'], key=b['primitives'].get)} at {b['source'].split()[0]} {100 * b['share']:.0f}%"
+            for b in x["estimate"]["by_source"][:3]
+        )
+        rows.append(
+            f"| {x['chip']} | {x['pass']} | {x['window'] or 'full'} | {_ms(x['estimate']['seconds'])} | "
+            f"{_ms(lim['seconds'])} ({lim['bound']}) | {x['estimate_over_limit']:.1f}x | "
+            f"{_gib(x['memory']['temporaries'])} | {top} |"
+        )
+    return rows
+
+
 # name -> (JSON files under benchmarks/results, renderer taking their contents in that order)
 TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "tpu_programs": (("tpu_programs.json",), _tpu_programs),
@@ -176,6 +223,8 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "context_plans": (("context_plans.json",), _context_plans),
     "context_plans_tpu": (("context_plans_tpu.json",), _context_plans),
     "context_kernel_tpu": (("context_plans_tpu.json",), _context_kernel_tpu),
+    "hybrid_recall": (("hybrid_recall.json",), _hybrid_recall),
+    "attention_tpu": (("attention_tpu.json",), _attention_tpu),
 }
 BLOCK = re.compile(r"(<!-- table:([\w\-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

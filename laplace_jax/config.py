@@ -144,6 +144,97 @@ class Block:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttnSpec:
+    """Softmax attention at some layers (fla 0.6's ``AttentionSpec``, same fields and defaults):
+    each listed layer's GLA mixer becomes causal softmax attention with rotary embeddings on q and
+    k. layers: indices (no layer in two specs); num_heads: query heads (head_dim = d_model /
+    num_heads); num_kv_heads: None for num_heads (GQA when smaller); qkv_bias: biases on the q / k /
+    v projections; window_size: None for full causal attention, w for each token seeing itself and
+    the w - 1 before it; rope_theta: the rotary base."""
+
+    layers: tuple[int, ...]
+    num_heads: int
+    num_kv_heads: int | None = None
+    qkv_bias: bool = False
+    window_size: int | None = None
+    rope_theta: float = 10000.0
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    def to_fla(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "layers": list(self.layers), "num_kv_heads": self.kv_heads}
+
+
+def parse_attn(attn: Any, n_layers: int, d_model: int) -> tuple[AttnSpec, ...] | None:
+    """``model.attn`` (None, a dict or a list of dicts, as fla's ``attn``; or AttnSpecs) checked as
+    fla's ``parse_attention_config`` checks it, plus what the layer needs (whole heads, even
+    head_dim), as a tuple of AttnSpec."""
+    if attn is None:
+        return None
+    if isinstance(attn, AttnSpec):
+        attn = [attn]
+    if not isinstance(attn, (Mapping, list, tuple)):
+        raise ConfigError(f"model.attn must be None, a dictionary, or a list of dictionaries; got {attn!r}")
+    single = isinstance(attn, Mapping)
+    specs: list[AttnSpec] = []
+    assigned: dict[int, int] = {}
+    for i, raw in enumerate([attn] if single else attn):
+        where = "model.attn" if single else f"model.attn[{i}]"
+        raw = dataclasses.asdict(raw) if isinstance(raw, AttnSpec) else raw
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where} must be a dictionary; got {raw!r}")
+        raw = dict(raw)
+        unknown = sorted(set(raw) - set(field_names(AttnSpec)))
+        if unknown:
+            raise ConfigError(f"{where} has unknown field(s) {unknown}; fields: {', '.join(field_names(AttnSpec))}")
+        for name in ("layers", "num_heads"):
+            if name not in raw:
+                raise ConfigError(f"{where} field {name!r} is required")
+        layers = raw["layers"]
+        if not isinstance(layers, (list, tuple)):
+            raise ConfigError(f"{where}.layers must be a list of integer layer indices; got {layers!r}")
+        for layer in layers:
+            if isinstance(layer, bool) or not isinstance(layer, int):
+                raise ConfigError(f"{where}.layers must contain only integer layer indices; got {layer!r}")
+            if not 0 <= layer < n_layers:
+                raise ConfigError(f"{where}.layers holds layer {layer}, out of range: expected [0, {n_layers})")
+            if layer in assigned:
+                if assigned[layer] == i:
+                    raise ConfigError(f"{where}.layers holds layer {layer} twice; got {list(layers)}")
+                raise ConfigError(f"{where} assigns layer {layer}, which model.attn[{assigned[layer]}] already assigns")
+            assigned[layer] = i
+        for name in ("num_heads", "num_kv_heads"):
+            value = raw.get(name, 1)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"{where}.{name} must be a positive integer; got {value!r}")
+        if not isinstance(raw.get("qkv_bias", False), bool):
+            raise ConfigError(f"{where}.qkv_bias must be a Boolean; got {raw['qkv_bias']!r}")
+        window = raw.get("window_size")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+            raise ConfigError(f"{where}.window_size must be None or a positive integer; got {window!r}")
+        theta = raw.get("rope_theta", 10000.0)
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+            raise ConfigError(f"{where}.rope_theta must be positive and finite; got {theta!r}")
+        kv = raw.get("num_kv_heads")
+        spec = AttnSpec(
+            **{**raw, "layers": tuple(layers), "rope_theta": float(theta), "num_kv_heads": kv or raw["num_heads"]}
+        )
+        if d_model % spec.num_heads or (d_model // spec.num_heads) % 2:
+            raise ConfigError(
+                f"{where}.num_heads={spec.num_heads}: head_dim = d_model / num_heads must be a whole, even number "
+                f"(rotary embeddings rotate pairs); d_model is {d_model}"
+            )
+        if spec.num_heads % spec.kv_heads:
+            raise ConfigError(
+                f"{where}.num_heads ({spec.num_heads}) must be a multiple of num_kv_heads ({spec.kv_heads})"
+            )
+        specs.append(spec)
+    return tuple(specs)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig(Block):
     """Shape and numerics of a GLA language model (fla ``GLAForCausalLM`` semantics).
 
@@ -182,12 +273,19 @@ class ModelConfig(Block):
     remat: str = choice("none", REMAT)
     scan_layers: bool = True
     max_seq_len: int = 2048
+    attn: tuple[AttnSpec, ...] | None = None
     BLOCK: typing.ClassVar[str] = "model"
 
     def __post_init__(self) -> None:
         if isinstance(self.remat, bool):
             object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if isinstance(self.n_layers, int) and isinstance(self.d_model, int):
+            object.__setattr__(self, "attn", parse_attn(self.attn, self.n_layers, self.d_model))
         super().__post_init__()
+
+    def attn_spec(self, layer: int) -> AttnSpec | None:
+        """The softmax attention spec of ``layer``, or None for a GLA layer."""
+        return next((spec for spec in self.attn or () if layer in spec.layers), None)
 
     def check(self) -> None:
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "gate_low_rank_dim", "chunk_size")

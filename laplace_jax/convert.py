@@ -8,9 +8,11 @@ An export from a run (or with ``--tokenizer``) is a Hugging Face model directory
 token ids, a generation config and ``auto_map`` to fla's classes (``hf_files``), so
 ``AutoTokenizer`` and ``AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)`` load it.
 
-An fla directory holds ``config.json`` (model_type "gla") and ``model.safetensors`` (or shards
-with ``model.safetensors.index.json``). torch Linear weights are [out, in]; ours are [in, out];
-conv weights are [D, 1, W] in torch and [W, D] here; layer weights are stacked on axis 0.
+An fla directory holds ``config.json`` (model_type "gla"; with ``attn``, a hybrid whose listed
+layers are fla ``Attention``) and ``model.safetensors`` (or shards with
+``model.safetensors.index.json``). torch Linear weights are [out, in]; ours are [in, out];
+conv weights are [D, 1, W] in torch and [W, D] here; layer weights are stacked on axis 0 (per
+group of layers in a hybrid: ``models.layout``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from laplace_jax.config import ModelConfig
 from laplace_jax.errors import CheckpointFormatError, ConfigError, UserError
 from laplace_jax.hf_files import write_hf_files
 from laplace_jax.loading import load_for_inference
-from laplace_jax.models.gla_lm import abstract_params, count_params
+from laplace_jax.models.gla_lm import abstract_params, count_params, layer_weights, stack_layers
 
 # fla GLAConfig key -> ModelConfig field.
 _CONFIG_KEYS = {
@@ -63,10 +65,19 @@ _REQUIRED = {
     "use_gv": False,
     "use_output_gate": True,
     "hidden_act": "swish",
-    "attn": None,
     "elementwise_affine": True,
     "conv_bias": False,
 }
+_ATTN_LINEARS = {  # a hybrid's softmax attention layer (fla ``Attention``); biases with qkv_bias
+    "attn.q_proj": "attn/q_proj",
+    "attn.k_proj": "attn/k_proj",
+    "attn.v_proj": "attn/v_proj",
+    "attn.o_proj": "attn/o_proj",
+    "mlp.gate_proj": "mlp/gate_proj",
+    "mlp.up_proj": "mlp/up_proj",
+    "mlp.down_proj": "mlp/down_proj",
+}
+_ATTN_BIASES = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
 _LINEARS = {
     "attn.q_proj": "attn/q_proj",
     "attn.k_proj": "attn/k_proj",
@@ -87,10 +98,11 @@ _GAINS = {"attn_norm": "attn_norm", "mlp_norm": "mlp_norm"}
 _GATE_NORMS = ("attn.g_norm_swish_gate", "attn.g_norm")
 _GATE_NORM_OURS = "attn/g_norm_swish_gate"
 # fla 0.6 GLAConfig flags audited for parameter names: fuse_norm (above); use_short_conv (the
-# q/k/v_conv1d tensors); conv_bias, use_output_gate=False, elementwise_affine=False, attn (hybrid
-# softmax layers), feature_map, use_gk/use_gv change names or the math and are refused by name
-# (_REQUIRED); tie_word_embeddings drops lm_head; num_kv_heads changes shapes only; fuse_swiglu,
-# fuse_cross_entropy, fuse_linear_cross_entropy, use_l2warp change kernels, not parameters.
+# q/k/v_conv1d tensors); attn (hybrid softmax layers: _ATTN_LINEARS at the layers it lists);
+# conv_bias, use_output_gate=False, elementwise_affine=False, feature_map, use_gk/use_gv change
+# names or the math and are refused by name (_REQUIRED); tie_word_embeddings drops lm_head;
+# num_kv_heads changes shapes only; fuse_swiglu, fuse_cross_entropy, fuse_linear_cross_entropy,
+# use_l2warp change kernels, not parameters.
 _CONVS = ("q", "k", "v")
 
 
@@ -106,6 +118,8 @@ def config_from_fla(fla: dict[str, Any], **overrides: Any) -> ModelConfig:
                 f"config.json sets {key}={fla[key]!r}; laplace_jax implements only {key}={want!r} (fla's GLA default)"
             )
     fields = {ours: fla[theirs] for theirs, ours in _CONFIG_KEYS.items() if theirs in fla}
+    if fla.get("attn") is not None:
+        fields["attn"] = fla["attn"]
     try:
         return ModelConfig(**{**fields, **overrides})
     except (ConfigError, TypeError) as e:
@@ -117,6 +131,8 @@ def config_to_fla(cfg: ModelConfig) -> dict[str, Any]:
     out.update({theirs: getattr(cfg, ours) for theirs, ours in _CONFIG_KEYS.items()})
     out.update(_REQUIRED)
     out["fuse_norm"] = True  # names the gate norm "g_norm_swish_gate", as exported
+    specs = [spec.to_fla() for spec in cfg.attn or ()]
+    out["attn"] = None if not specs else specs[0] if len(specs) == 1 else specs  # fla's dict form for one spec
     return out
 
 
@@ -165,9 +181,42 @@ def _read_state_dict(path: str) -> LazyStateDict:
     return LazyStateDict([os.path.join(path, name) for name in files])
 
 
+def _layer_from_fla(cfg: ModelConfig, i: int, take, has) -> dict:
+    """Layer ``i``'s weights ([in, out], unstacked) from fla tensor names."""
+    pre = f"model.layers.{i}."
+    layer: dict[str, Any] = {}
+
+    def put(path: str, leaf: str, value: np.ndarray) -> None:
+        node = layer
+        for part in path.split("/"):
+            node = node.setdefault(part, {})
+        node[leaf] = value
+
+    spec = cfg.attn_spec(i)
+    for theirs, ours in (_LINEARS if spec is None else _ATTN_LINEARS).items():
+        put(ours, "kernel", take(pre + theirs + ".weight").T)
+    for theirs, ours in _GAINS.items():
+        put(ours, "weight", take(pre + theirs + ".weight"))
+    if spec is not None:
+        if spec.qkv_bias:
+            for theirs in _ATTN_BIASES:
+                put(_ATTN_LINEARS[theirs], "bias", take(pre + theirs + ".bias"))
+        return layer
+    put("attn/gk_proj_1", "bias", take(pre + "attn.gk_proj.1.bias"))
+    present = [n for n in _GATE_NORMS if has(pre + n + ".weight")]
+    if len(present) > 1:
+        raise CheckpointFormatError(f"checkpoint has both {present[0]} and {present[1]} weights; expected one of them")
+    gate_norm = present[0] if present else _GATE_NORMS[0]  # missing: the error names fla's default
+    put(_GATE_NORM_OURS, "weight", take(pre + gate_norm + ".weight"))
+    if cfg.use_short_conv:
+        for c in _CONVS:
+            put(f"attn/{c}_conv1d", "kernel", take(pre + f"attn.{c}_conv1d.weight")[:, 0, :].T)
+    return layer
+
+
 def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray]) -> dict:
     """fla state_dict (numpy, any float dtype; a ``LazyStateDict`` is read tensor by tensor) ->
-    laplace params (float32 numpy, [in, out], stacked)."""
+    laplace params (float32 numpy, [in, out], stacked per group of layers: ``models.layout``)."""
     used: set[str] = set()
 
     def take(key: str) -> np.ndarray:
@@ -176,37 +225,10 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray]) -> di
         used.add(key)
         return np.asarray(sd[key], np.float32)
 
-    def stack(fmt: str, fn=lambda a: a) -> np.ndarray:
-        return np.stack([fn(take(fmt.format(i))) for i in range(cfg.n_layers)])
-
-    layers: dict[str, Any] = {}
-
-    def put(path: str, leaf: str, value: np.ndarray) -> None:
-        node = layers
-        for part in path.split("/"):
-            node = node.setdefault(part, {})
-        node[leaf] = value
-
-    for theirs, ours in _LINEARS.items():
-        put(ours, "kernel", stack("model.layers.{}." + theirs + ".weight", lambda a: a.T))
-    put("attn/gk_proj_1", "bias", stack("model.layers.{}.attn.gk_proj.1.bias"))
-    for theirs, ours in _GAINS.items():
-        put(ours, "weight", stack("model.layers.{}." + theirs + ".weight"))
-    present = [n for n in _GATE_NORMS if f"model.layers.0.{n}.weight" in sd]
-    if len(present) > 1:
-        raise CheckpointFormatError(f"checkpoint has both {present[0]} and {present[1]} weights; expected one of them")
-    gate_norm = present[0] if present else _GATE_NORMS[0]  # missing: the error names fla's default
-    put(_GATE_NORM_OURS, "weight", stack("model.layers.{}." + gate_norm + ".weight"))
-    if cfg.use_short_conv:
-        for c in _CONVS:
-            put(
-                f"attn/{c}_conv1d",
-                "kernel",
-                stack("model.layers.{}.attn." + c + "_conv1d.weight", lambda a: a[:, 0, :].T),
-            )
+    layers = [_layer_from_fla(cfg, i, take, sd.__contains__) for i in range(cfg.n_layers)]
     params = {
         "embeddings": {"embedding": take("model.embeddings.weight")},
-        "layers": layers,
+        **stack_layers(cfg, layers),
         "norm": {"weight": take("model.norm.weight")},
     }
     if not cfg.tie_embeddings:
@@ -235,26 +257,31 @@ def _check_shapes(cfg: ModelConfig, params: dict) -> None:
 def params_to_state_dict(cfg: ModelConfig, params: dict, dtype: Any = np.float32) -> dict[str, np.ndarray]:
     """laplace params -> fla state_dict (numpy in ``dtype``, torch layouts)."""
     p = params
-    lay = p["layers"]
-
-    def get(path: str, leaf: str) -> np.ndarray:
-        node = lay
-        for part in path.split("/"):
-            node = node[part]
-        return np.asarray(node[leaf], np.float32)
-
     sd = {"model.embeddings.weight": np.asarray(p["embeddings"]["embedding"], np.float32)}
     for i in range(cfg.n_layers):
+        lay = layer_weights(cfg, p, i)
+
+        def get(path: str, leaf: str, lay=lay) -> np.ndarray:
+            node = lay
+            for part in path.split("/"):
+                node = node[part]
+            return np.asarray(node[leaf], np.float32)
+
         pre = f"model.layers.{i}."
-        for theirs, ours in _LINEARS.items():
-            sd[pre + theirs + ".weight"] = get(ours, "kernel")[i].T
-        sd[pre + "attn.gk_proj.1.bias"] = get("attn/gk_proj_1", "bias")[i]
+        spec = cfg.attn_spec(i)
+        for theirs, ours in (_LINEARS if spec is None else _ATTN_LINEARS).items():
+            sd[pre + theirs + ".weight"] = get(ours, "kernel").T
         for theirs, ours in _GAINS.items():
-            sd[pre + theirs + ".weight"] = get(ours, "weight")[i]
-        sd[pre + _GATE_NORMS[0] + ".weight"] = get(_GATE_NORM_OURS, "weight")[i]
+            sd[pre + theirs + ".weight"] = get(ours, "weight")
+        if spec is not None:
+            for theirs in _ATTN_BIASES if spec.qkv_bias else ():
+                sd[pre + theirs + ".bias"] = get(_ATTN_LINEARS[theirs], "bias")
+            continue
+        sd[pre + "attn.gk_proj.1.bias"] = get("attn/gk_proj_1", "bias")
+        sd[pre + _GATE_NORMS[0] + ".weight"] = get(_GATE_NORM_OURS, "weight")
         if cfg.use_short_conv:
             for c in _CONVS:
-                sd[pre + f"attn.{c}_conv1d.weight"] = get(f"attn/{c}_conv1d", "kernel")[i].T[:, None, :]
+                sd[pre + f"attn.{c}_conv1d.weight"] = get(f"attn/{c}_conv1d", "kernel").T[:, None, :]
     sd["model.norm.weight"] = np.asarray(p["norm"]["weight"], np.float32)
     if not cfg.tie_embeddings:
         sd["lm_head.weight"] = np.asarray(p["lm_head"]["kernel"], np.float32).T

@@ -28,7 +28,8 @@ def _as_config_dict(block: typing.Any) -> config_dict.ConfigDict:
             value = _as_config_dict(value)
         elif value is None:
             (kind,) = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
-            value = config_dict.placeholder(kind)
+            # a structured field (model.attn: a dict or list of dicts) stays an untyped None
+            value = config_dict.placeholder(kind) if kind in (bool, int, float, str) else None
         setattr(out, f.name, value)
     return out
 

@@ -314,10 +314,10 @@ def source_of(op_name: str) -> str:
     """Which part of a train step a collective came from, by its JAX op_name: "embeddings" (the
     token table's gather and its gradient's reduce-scatter), "weights" (every other model
     parameter's FSDP gather and gradient reduction, ``parallel.gathered``), "context" (context
-    parallelism: the GLA states' all-gather and the short convolution's neighbour exchange, and
-    their transposes), "muon" (the optimizer's all-to-alls), or "other" (the loss and the
-    gradient norm)."""
-    if "context_states" in op_name or "context_halo" in op_name:
+    parallelism: the GLA states' all-gather, the short convolution's neighbour exchange and an
+    attention layer's earlier keys and values, and their transposes), "muon" (the optimizer's
+    all-to-alls), or "other" (the loss and the gradient norm)."""
+    if any(scope in op_name for scope in ("context_states", "context_halo", "context_kv")):
         return "context"
     if "/embeddings/" in op_name:
         return "embeddings"

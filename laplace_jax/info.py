@@ -30,7 +30,8 @@ def kv_cache_bytes(cfg: ModelConfig, tokens: int, bytes_per_elem: int = 2) -> in
 def state_bytes(cfg: ModelConfig) -> dict[str, int]:
     """Bytes per sequence of each part of the recurrent state, all layers (from the real state pytree)."""
     layers = jax.eval_shape(lambda: init_state(cfg, 1))
-    return {k: sum(int(s[k].size) * jnp.dtype(s[k].dtype).itemsize for s in layers) for k in layers[0]}
+    keys = dict.fromkeys(k for s in layers for k in s)  # GLA layers' gla / conv_*, attention layers' k / v / pos
+    return {k: sum(int(s[k].size) * jnp.dtype(s[k].dtype).itemsize for s in layers if k in s) for k in keys}
 
 
 def model_report(cfg: ModelConfig, kv_tokens: int = 8192) -> dict[str, Any]:

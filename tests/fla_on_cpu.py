@@ -1,6 +1,7 @@
 """flash-linear-attention on a CPU for the export tests: its Triton kernels (GLA, the fused norms,
-SwiGLU, the short convolution) swapped for plain PyTorch with the same definitions, so fla's own
-model classes, loaded by transformers, run here. Only the paths a no-cache forward pass takes."""
+SwiGLU, the short convolution, the rotary embedding) and the flash-attn call of its hybrid
+``Attention`` layer swapped for plain PyTorch with the same definitions, so fla's own model
+classes, loaded by transformers, run here. Only the paths a no-cache forward pass takes."""
 
 import contextlib
 
@@ -42,10 +43,34 @@ def _gla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=Fal
     return o.to(q.dtype), (state if output_final_state else None)
 
 
+def _flash_attn(q, k, v, causal=True, window_size=(-1, -1), **kwargs):
+    """flash_attn_func's definition for equal-length q and k: causal, window (w - 1, 0), GQA."""
+    T, S = q.shape[1], k.shape[1]
+    G = q.shape[2] // k.shape[2]
+    k, v = (x.repeat_interleave(G, dim=2) for x in (k, v))  # query head h reads kv head h // G
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * q.shape[-1] ** -0.5
+    i, j = torch.arange(T)[:, None] + (S - T), torch.arange(S)[None, :]
+    allowed = j <= i
+    if window_size[0] >= 0:
+        allowed &= j >= i - window_size[0]
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v.float()).to(q.dtype)
+
+
+def _rotary(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, **kwargs):
+    from fla.modules.rotary.ops import rotary_embedding_ref
+
+    assert isinstance(seqlen_offsets, int) and cu_seqlens is None, "only a no-cache forward pass"
+    T = x.shape[1]
+    return rotary_embedding_ref(x, cos[seqlen_offsets : seqlen_offsets + T], sin[seqlen_offsets : seqlen_offsets + T])
+
+
 @contextlib.contextmanager
 def fla_on_cpu():
+    import fla.layers.attn as attn_layer
     import fla.layers.gla as gla_layer
     import fla.modules.mlp as mlp
+    import fla.modules.rotary.ops as rotary
     from fla.modules.causal_conv1d.ops import ShortConvolution
     from fla.modules.norm.fused_norm_gate import FusedRMSNormGated
     from fla.modules.norm.layernorm import RMSNorm
@@ -59,6 +84,8 @@ def fla_on_cpu():
         (gla_layer, "chunk_gla", _gla),
         (gla_layer, "fused_chunk_gla", _gla),
         (gla_layer, "fused_recurrent_gla", _gla),
+        (attn_layer, "flash_attn_func", _flash_attn),
+        (rotary, "rotary_embedding", _rotary),
     ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:

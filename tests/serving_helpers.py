@@ -20,19 +20,19 @@ PARAMS = init_params(CFG, jax.random.key(0))
 TOK = ByteTokenizer()
 
 
-def reference_greedy(ids, n, eos_id=TOK.eos_id, params=PARAMS):
+def reference_greedy(ids, n, eos_id=TOK.eos_id, params=PARAMS, cfg=CFG):
     """The model's own recurrent path: decode_step over the prompt, then argmax until EOS or n tokens."""
     step = jax.jit(decode_step, static_argnums=0)
-    state = init_state(CFG, 1)
+    state = init_state(cfg, 1)
     for t in ids:
-        logits, state = step(CFG, params, jnp.asarray([t]), state)
+        logits, state = step(cfg, params, jnp.asarray([t]), state)
     out = []
     for _ in range(n):
         t = int(jnp.argmax(logits[0]))
         if t == eos_id:
             break
         out.append(t)
-        logits, state = step(CFG, params, jnp.asarray([t]), state)
+        logits, state = step(cfg, params, jnp.asarray([t]), state)
     return out
 
 

@@ -151,6 +151,35 @@ def test_prefill_report_gives_tokens_per_second_per_length():
         assert r["limit"]["flops"] > 0 and r["estimate_over_limit"] > 0
 
 
+def test_a_hybrid_compiles_for_serving_and_training_and_its_attention_reduces_no_scores():
+    """configs/recall_tiny.py:hybrid (a 256-token attention window) on the TPU compiler: the
+    serving programs and the train step's gradient compile and estimate; the attention kernel's
+    forward sums no scores (its softmax row sums come out of the p v matmul)."""
+    from laplace_jax.config import load_run_config
+    from laplace_jax.loss import loss_fn
+    from laplace_jax.models.gla_lm import abstract_params
+    from laplace_jax.ops.attention import chunk_attention
+    from laplace_jax.tools.tpu_check import serve_reports
+
+    config = load_run_config("configs/recall_tiny.py:hybrid")
+    chip, devices = tpu_devices("v5e:1x1")
+    reps = serve_reports(chip, devices, config, max_num_seqs=4, buckets="pow2", prefill_chunk=64, steps=2)
+    assert all(r["estimate"]["seconds"] > 0 for r in reps)
+    cfg = config.model
+    grad = jax.grad(lambda p, b: loss_fn(cfg, p, b))
+    one = NamedSharding(Mesh(np.asarray(devices[:1]), ("x",)), P())
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), abstract_params(cfg))
+    args = (params, jax.ShapeDtypeStruct((2, 513), jnp.int32, sharding=one))
+    assert estimate(jax.jit(grad).lower(*args).compile().as_text(), chip)["seconds"] > 0
+    _, fwd = _compile(
+        lambda q, k, v: chunk_attention(q, k, v, window=256, chunk_size=64),
+        ((2, 512, 4, 32), jnp.bfloat16), ((2, 512, 4, 32), jnp.bfloat16), ((2, 512, 4, 32), jnp.bfloat16),
+    )  # fmt: skip
+    reductions = [ln for ln in fwd.as_text().splitlines() if " reduce(" in ln]
+    assert any("reduce_max" in ln for ln in reductions)  # the softmax's max is there, and seen
+    assert not any("reduce_sum" in ln for ln in reductions)  # its sum is not: the matmul makes it
+
+
 def test_train_plan_for_a_topology_prints_the_estimate_and_the_run(tmp_path):
     """``train.py --plan --topology`` on the tiny config: the TPU report, MFU, the run's days and
     cost at the given price; the JSON has the same fields."""

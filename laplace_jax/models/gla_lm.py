@@ -5,12 +5,15 @@
     decode_step(cfg, params, token [B], state)       -> (logits [B, V], state)
 
 All three share one parameter tree; layer weights are stacked on a leading axis of size
-n_layers. ``forward`` and ``prefill`` run the layers with ``nn.scan`` (compile time flat in
-depth), optionally rematerialised.
+n_layers (``layers``), or, in a hybrid model with softmax attention layers (``model.attn``),
+per group of layers (``layers_0``, ... : ``models.layout``). ``forward`` and ``prefill`` run each
+group with ``nn.scan`` (compile time flat in depth), optionally rematerialised.
 
 The per-sequence state is a tuple of n_layers dicts, one per layer: ``gla`` [B, H, dk, dv]
 float32 and, with short conv, ``conv_q`` / ``conv_k`` / ``conv_v`` [B, W * channels] in the
-compute dtype (the last W inputs, oldest first, flattened: ``layers.common.ShortConv``).
+compute dtype (the last W inputs, oldest first, flattened: ``layers.common.ShortConv``); an
+attention layer's ``k`` / ``v`` [B, R, kv heads, head_dim] ring and ``pos`` [B] int32
+(``layers.attention``).
 Every leaf is its own buffer because ``decode_step`` runs the layers as an unrolled loop, and a
 layer whose state is a buffer of its own updates it in one pass: the new state and the output read
 from it are one fusion that reads the donated state once and writes it once in place. Slices of
@@ -25,16 +28,19 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from laplace_jax.config import REMAT_POLICIES, ModelConfig
+from laplace_jax.config import REMAT_POLICIES, AttnSpec, ModelConfig
+from laplace_jax.layers.attention import Attention, ring_size
 from laplace_jax.layers.common import Embedding, Linear, RMSNorm, SwiGLU
 from laplace_jax.layers.gla import GatedLinearAttention
+from laplace_jax.models.layout import Group, is_layers_key, layer_groups, locate
 from laplace_jax.parallel import constrain
 
 Array = jax.Array
 Params = dict
 
-LayerState = dict[str, Array]  # one layer's state: gla [B, H, dk, dv] fp32, conv_* [B, W * channels]
+LayerState = dict[str, Array]  # one layer's state (module docstring)
 State = tuple[LayerState, ...]  # n_layers of them
 Stack = dict[str, Array]  # the same leaves stacked on a leading layer axis, inside the layer scan
 
@@ -52,11 +58,11 @@ def pack_weights(params: Params) -> Params:
     A bitcast inside the jitted step would not help: it materialises a copy of its own (on the
     TPU compiler, a weight-sized temporary and 44% of the 3B decode step's estimate)."""
     to_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x  # noqa: E731
-    return {**params, "layers": jax.tree.map(to_bits, params["layers"])}
+    return {k: jax.tree.map(to_bits, v) if is_layers_key(k) else v for k, v in params.items()}
 
 
 def _is_packed(params: Params) -> bool:
-    return any(x.dtype == jnp.uint16 for x in jax.tree.leaves(params["layers"]))
+    return any(x.dtype == jnp.uint16 for k, v in params.items() if is_layers_key(k) for x in jax.tree.leaves(v))
 
 
 def _unpack(variables: dict) -> dict:
@@ -67,18 +73,20 @@ def _unpack(variables: dict) -> dict:
 
 
 class Block(nn.Module):
-    """Pre-norm block: x += GLA(RMSNorm(x)); x += SwiGLU(RMSNorm(x)).
+    """Pre-norm block: x += mixer(RMSNorm(x)); x += SwiGLU(RMSNorm(x)). The mixer is GLA, or
+    softmax attention when ``spec`` is given (a hybrid's attention layer).
 
     ``__call__`` is the body of the scan over stacked layers (prefill and training); ``step`` is
     one layer on its own state (``decode_step``'s unrolled layer loop)."""
 
     cfg: ModelConfig
+    spec: AttnSpec | None = None
 
     def setup(self) -> None:
         cfg = self.cfg
         dt = cfg.compute_dtype
         self.attn_norm = RMSNorm(cfg.norm_eps, dt)
-        self.attn = GatedLinearAttention(cfg)
+        self.attn = GatedLinearAttention(cfg) if self.spec is None else Attention(cfg, self.spec)
         self.mlp_norm = RMSNorm(cfg.norm_eps, dt)
         self.mlp = SwiGLU(cfg.intermediate_size, dtype=dt, init_std=cfg.init_std)
 
@@ -103,8 +111,49 @@ class Block(nn.Module):
         return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), state
 
 
+def _remat(cfg: ModelConfig) -> type[Block]:
+    return Block if cfg.remat == "none" else nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat])
+
+
+class Unit(nn.Module):
+    """A group's unit of several blocks (``models.layout``): the body of its scan, each block on
+    its own stacked state."""
+
+    cfg: ModelConfig
+    specs: tuple[AttnSpec | None, ...]
+
+    def setup(self) -> None:
+        self.blocks = [_remat(self.cfg)(self.cfg, spec, name=f"block_{j}") for j, spec in enumerate(self.specs)]
+
+    def __call__(self, carry: tuple[Array, Array | None, tuple | None], repeat: Array) -> tuple[tuple, None]:
+        x, lengths_B, stacks = carry
+        new = []
+        for j, block in enumerate(self.blocks):
+            (x, _, stack), _ = block((x, lengths_B, None if stacks is None else stacks[j]), repeat)
+            new.append(stack)
+        return (x, lengths_B, None if stacks is None else tuple(new)), None
+
+
+def _scanned(cfg: ModelConfig, group: Group, packed: bool) -> nn.Module:
+    specs = tuple(None if kind is None else cfg.attn[kind] for kind in group.unit)
+    body, args = (_remat(cfg), (cfg, specs[0])) if len(specs) == 1 else (Unit, (cfg, specs))
+    if packed:  # bf16 layer weights arrive as uint16 bits (pack_weights): one layer unpacked at a time
+        body = nn.map_variables(body, "params", trans_in_fn=_unpack)
+    return nn.scan(
+        body,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=0,
+        out_axes=0,
+        length=group.repeats,
+        unroll=1 if cfg.scan_layers else group.repeats,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )(*args)
+
+
 class GLALM(nn.Module):
-    """Embeddings -> n_layers scanned blocks -> RMSNorm -> LM head (untied unless tie_embeddings)."""
+    """Embeddings -> n_layers scanned blocks (one scan per group of layers) -> RMSNorm -> LM head
+    (untied unless tie_embeddings)."""
 
     cfg: ModelConfig
     packed: bool = False  # bf16 layer weights passed as uint16 bits (``pack_weights``)
@@ -113,30 +162,25 @@ class GLALM(nn.Module):
         cfg = self.cfg
         dt = cfg.compute_dtype
         self.embeddings = Embedding(cfg.vocab_size, cfg.d_model, dt, cfg.init_std)
-        block = Block if cfg.remat == "none" else nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat])
-        if self.packed:  # bf16 layer weights arrive as uint16 bits (pack_weights): one layer unpacked at a time
-            block = nn.map_variables(block, "params", trans_in_fn=_unpack)
-        self.layers = nn.scan(
-            block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=0,
-            out_axes=0,
-            length=cfg.n_layers,
-            unroll=1 if cfg.scan_layers else cfg.n_layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg)
+        groups = layer_groups(cfg)
+        scans = [_scanned(cfg, group, self.packed) for group in groups]
+        self.layers = scans[0] if groups[0].name == "layers" else scans  # a list: layers_0, layers_1, ...
         self.norm = RMSNorm(cfg.norm_eps, dt)
         if not cfg.tie_embeddings:
             self.lm_head = Linear(cfg.vocab_size, ("embed", "vocab"), dtype=dt, init_std=cfg.init_std, fp32_out=True)
 
     def __call__(
-        self, tokens_BxT: Array, stack: Stack | None, lengths_B: Array | None = None
-    ) -> tuple[Array, Stack | None]:
-        """tokens [B, T] and the stacked state (or None) -> (logits [B, T, V] fp32, stacked state)."""
+        self, tokens_BxT: Array, stacks: tuple | None, lengths_B: Array | None = None
+    ) -> tuple[Array, tuple | None]:
+        """tokens [B, T] and the stacked state of each group (``_stack``, or None) -> (logits
+        [B, T, V] fp32, the groups' stacked states)."""
         x = self.embed(tokens_BxT)
-        (x, _, stack), _ = self.layers((x, lengths_B, stack), jnp.arange(self.cfg.n_layers))
-        return self.head(x), stack
+        scans = self.layers if isinstance(self.layers, (list, tuple)) else [self.layers]
+        new = []
+        for g, (group, scan) in enumerate(zip(layer_groups(self.cfg), scans, strict=True)):
+            (x, _, stack), _ = scan((x, lengths_B, None if stacks is None else stacks[g]), jnp.arange(group.repeats))
+            new.append(stack)
+        return self.head(x), (None if stacks is None else tuple(new))
 
     def embed(self, tokens_BxT: Array) -> Array:
         return constrain(jnp.take(self.embeddings(), tokens_BxT, axis=0), ("batch", "length", "act_embed"))
@@ -183,7 +227,12 @@ def count_params(params: Params) -> int:
 def init_state(cfg: ModelConfig, batch: int) -> State:
     """A zero per-sequence state for ``batch`` sequences: one dict per layer (module docstring)."""
 
-    def layer() -> LayerState:
+    def layer(i: int) -> LayerState:
+        spec = cfg.attn_spec(i)
+        if spec is not None:
+            kv = (batch, ring_size(cfg, spec), spec.kv_heads, cfg.d_model // spec.num_heads)
+            dt = cfg.compute_dtype
+            return {"k": jnp.zeros(kv, dt), "v": jnp.zeros(kv, dt), "pos": jnp.zeros((batch,), jnp.int32)}
         state = {"gla": jnp.zeros((batch, cfg.n_heads, cfg.head_k_dim, cfg.head_v_dim), jnp.float32)}
         if cfg.use_short_conv:
             W, G, dt = cfg.conv_size, cfg.kv_groups, cfg.compute_dtype
@@ -192,7 +241,7 @@ def init_state(cfg: ModelConfig, batch: int) -> State:
             state["conv_v"] = jnp.zeros((batch, W * (cfg.value_dim // G)), dt)
         return state
 
-    return tuple(layer() for _ in range(cfg.n_layers))
+    return tuple(layer(i) for i in range(cfg.n_layers))
 
 
 def _check_state(cfg: ModelConfig, state: State, batch: int) -> None:
@@ -214,12 +263,52 @@ def _check_state(cfg: ModelConfig, state: State, batch: int) -> None:
                 )
 
 
-def _stack(state: State) -> Stack:
-    return jax.tree.map(lambda *layers: jnp.stack(layers), *state)
+def _stack(cfg: ModelConfig, state: State) -> tuple:
+    """Per group, the states of its layers stacked over its repeats (one stack per unit position;
+    a one-block unit's is the stack itself), as the groups' scans carry them."""
+
+    def group_stack(group: Group) -> Stack | tuple[Stack, ...]:
+        stacks = tuple(
+            jax.tree.map(lambda *layers: jnp.stack(layers), *(state[group.layer(r, j)] for r in range(group.repeats)))
+            for j in range(len(group.unit))
+        )
+        return stacks[0] if len(stacks) == 1 else stacks
+
+    return tuple(group_stack(group) for group in layer_groups(cfg))
 
 
-def _split(stack: Stack, n_layers: int) -> State:
-    return tuple(jax.tree.map(lambda x, i=layer: x[i], stack) for layer in range(n_layers))
+def _split(cfg: ModelConfig, stacks: tuple) -> State:
+    def one(layer: int) -> LayerState:
+        group, r, j = locate(cfg, layer)
+        stack = stacks[layer_groups(cfg).index(group)]
+        return jax.tree.map(lambda x: x[r], stack if len(group.unit) == 1 else stack[j])
+
+    return tuple(one(layer) for layer in range(cfg.n_layers))
+
+
+def stack_layers(cfg: ModelConfig, layers: list[Params]) -> Params:
+    """Per-layer weight trees (NumPy, the model's order) -> the groups' stacked trees
+    ({group name: tree}), as ``init_params`` lays them out."""
+    out: Params = {}
+    for group in layer_groups(cfg):
+        node: Params = {}
+        for j in range(len(group.unit)):
+            stacked = jax.tree.map(lambda *ws: np.stack(ws), *(layers[group.layer(r, j)] for r in range(group.repeats)))
+            if group.block_path(j):
+                node[group.block_path(j)[0]] = stacked
+            else:
+                node = stacked
+        out[group.name] = node
+    return out
+
+
+def layer_weights(cfg: ModelConfig, params: Params, layer: int) -> Params:
+    """One layer's weights (unstacked, as placed: packed bits stay packed)."""
+    group, r, j = locate(cfg, layer)
+    node = params[group.name]
+    for key in group.block_path(j):
+        node = node[key]
+    return jax.tree.map(lambda w: w[r], node)
 
 
 def forward(cfg: ModelConfig, params: Params, tokens_BxT: Array) -> Array:
@@ -242,8 +331,8 @@ def prefill(
         state = init_state(cfg, tokens_BxT.shape[0])
     _check_state(cfg, state, tokens_BxT.shape[0])
     model = GLALM(cfg, _is_packed(params))
-    logits, stack = model.apply({"params": params}, tokens_BxT, _stack(state), lengths_B)
-    return logits, _split(stack, cfg.n_layers)
+    logits, stacks = model.apply({"params": params}, tokens_BxT, _stack(cfg, state), lengths_B)
+    return logits, _split(cfg, stacks)
 
 
 def decode_step(
@@ -262,7 +351,8 @@ def decode_step(
     x = model.apply({"params": params}, token_B[:, None], method=GLALM.embed)
     new_state = []
     for layer, layer_state in enumerate(state):
-        weights = _unpack(jax.tree.map(lambda w, i=layer: w[i], params["layers"]))
-        x, layer_state = Block(cfg).apply({"params": weights}, x, lengths, layer_state, method=Block.step)
+        weights = _unpack(layer_weights(cfg, params, layer))
+        block = Block(cfg, cfg.attn_spec(layer))
+        x, layer_state = block.apply({"params": weights}, x, lengths, layer_state, method=Block.step)
         new_state.append(layer_state)
     return model.apply({"params": params}, x, method=GLALM.head)[:, 0], tuple(new_state)

@@ -46,6 +46,18 @@ if TYPE_CHECKING:  # a type only: eval runs the engine without metrics
 MAX_RESTARTS, RESTART_WINDOW_S = 3, 600.0
 
 
+def check_model_len(cfg: ModelConfig, max_model_len: int) -> None:
+    """A hybrid's full-attention layers keep max_seq_len positions per slot: refuse a longer
+    max_model_len (a sequence past it would overwrite its oldest keys)."""
+    full = sorted(i for spec in cfg.attn or () if spec.window_size is None for i in spec.layers)
+    if full and max_model_len > cfg.max_seq_len:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's max_seq_len {cfg.max_seq_len}: its full-attention "
+            f"layers {full} keep a KV buffer of max_seq_len positions per slot; serve with max_model_len <= "
+            f"{cfg.max_seq_len}"
+        )
+
+
 class Engine:
     """Serves ``cfg`` with ``params`` from fixed per-sequence states in decode slots."""
 
@@ -70,10 +82,10 @@ class Engine:
         """``max_num_seqs``: decode slots per device; ``devices``: where slots live (default: the
         first local device; ``serve.py`` passes all of them); ``prng``: the sampling keys'
         implementation (``platform.prng_impl``: "auto" is rbg on Neuron, threefry2x32 elsewhere).
-        ``prefix_cache_bytes``: the prefix-state cache's budget per device (0: off);
-        ``prefix_block``: its block in ids (default: the lcm of ``cfg.chunk_size`` and
-        ``prefill_chunk``; must be a multiple of both, so a resumed prompt is cut into the same
-        prefill calls and kernel chunks)."""
+        ``prefix_cache_bytes``: the prefix-state cache's budget per device (0: off); ``prefix_block``:
+        its block in ids (default: the lcm of ``cfg.chunk_size`` and ``prefill_chunk``; a multiple
+        of both, so a resumed prompt is cut into the same prefill calls and kernel chunks)."""
+        check_model_len(cfg, max_model_len)
         self.cfg, self.max_model_len, self.metrics = cfg, max_model_len, metrics
         self.slots_per_device, self.prefill_chunk = max_num_seqs, prefill_chunk
         self.compiles = CompileCounter(metrics.on_compile if metrics is not None else None)

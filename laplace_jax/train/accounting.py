@@ -8,12 +8,21 @@ from laplace_jax.config import ModelConfig
 from laplace_jax.errors import UserError
 
 
-def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
-    """Training FLOPs per token: 6 x (matmul parameters) + 3 x the GLA chunk-form FLOPs."""
+def flops_per_token(cfg: ModelConfig, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token of ``seq_len``-token windows: 6 x (matmul parameters) + 3 x the
+    mixers' forward FLOPs: the GLA chunk form per GLA layer, and per attention layer q k^T and
+    p v over the keys a token sees on average (causal: (seq_len + 1) / 2, at most the window)."""
     matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)  # lookup is free
     C, K, V = cfg.chunk_size, cfg.head_k_dim, cfg.head_v_dim
-    gla = cfg.n_layers * cfg.n_heads * (4 * K * V + 2 * C * (K + V))
-    return 6.0 * matmul_params + 3.0 * gla
+    mixers = 0.0
+    for layer in range(cfg.n_layers):
+        spec = cfg.attn_spec(layer)
+        if spec is None:
+            mixers += cfg.n_heads * (4 * K * V + 2 * C * (K + V))
+        else:
+            seen = sum(min(t + 1, spec.window_size or seq_len) for t in range(seq_len)) / seq_len
+            mixers += 4 * seen * cfg.d_model
+    return 6.0 * matmul_params + 3.0 * mixers
 
 
 def fits(mem: dict[str, int], available: int) -> bool:

@@ -126,7 +126,7 @@ def step_report(config: RunConfig, trainer: Trainer, compiled: Any) -> dict[str,
         "memory_per_device": mem,
         "train_step_collectives_per_device": coll,
         "train_step_collectives_by_source": collectives_by_source(hlo),
-        "flops_per_token": flops_per_token(trainer.model_cfg, trainer.n_params),
+        "flops_per_token": flops_per_token(trainer.model_cfg, trainer.n_params, trainer.config.data.seq_len),
         "wire_bytes_per_device": wire_bytes(coll),
     }
     if config.opt.optimizer == "muon" and trainer.mesh.shape[FSDP] > 1:
