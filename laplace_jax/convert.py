@@ -68,16 +68,6 @@ _REQUIRED = {
     "elementwise_affine": True,
     "conv_bias": False,
 }
-_ATTN_LINEARS = {  # a hybrid's softmax attention layer (fla ``Attention``); biases with qkv_bias
-    "attn.q_proj": "attn/q_proj",
-    "attn.k_proj": "attn/k_proj",
-    "attn.v_proj": "attn/v_proj",
-    "attn.o_proj": "attn/o_proj",
-    "mlp.gate_proj": "mlp/gate_proj",
-    "mlp.up_proj": "mlp/up_proj",
-    "mlp.down_proj": "mlp/down_proj",
-}
-_ATTN_BIASES = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
 _LINEARS = {
     "attn.q_proj": "attn/q_proj",
     "attn.k_proj": "attn/k_proj",
@@ -90,6 +80,10 @@ _LINEARS = {
     "mlp.up_proj": "mlp/up_proj",
     "mlp.down_proj": "mlp/down_proj",
 }
+# A hybrid's softmax attention layer (fla ``Attention``): the same names without the gates;
+# q / k / v carry biases with qkv_bias.
+_ATTN_LINEARS = {k: v for k, v in _LINEARS.items() if k not in ("attn.g_proj", "attn.gk_proj.0", "attn.gk_proj.1")}
+_ATTN_BIASES = ("attn.q_proj", "attn.k_proj", "attn.v_proj")
 _GAINS = {"attn_norm": "attn_norm", "mlp_norm": "mlp_norm"}
 # The output gate's RMSNorm: fla names it "g_norm_swish_gate" (FusedRMSNormGated) when
 # fuse_norm=True (its default) and "g_norm" (RMSNorm, then * swish(g)) when fuse_norm=False; the
@@ -181,16 +175,20 @@ def _read_state_dict(path: str) -> LazyStateDict:
     return LazyStateDict([os.path.join(path, name) for name in files])
 
 
+def _node(tree: dict, path: str, create: bool = False) -> dict:
+    """The subtree at ``path`` ("attn/q_proj") of one layer's weights (made on the way with ``create``)."""
+    for part in path.split("/"):
+        tree = tree.setdefault(part, {}) if create else tree[part]
+    return tree
+
+
 def _layer_from_fla(cfg: ModelConfig, i: int, take, has) -> dict:
     """Layer ``i``'s weights ([in, out], unstacked) from fla tensor names."""
     pre = f"model.layers.{i}."
     layer: dict[str, Any] = {}
 
     def put(path: str, leaf: str, value: np.ndarray) -> None:
-        node = layer
-        for part in path.split("/"):
-            node = node.setdefault(part, {})
-        node[leaf] = value
+        _node(layer, path, create=True)[leaf] = value
 
     spec = cfg.attn_spec(i)
     for theirs, ours in (_LINEARS if spec is None else _ATTN_LINEARS).items():
@@ -260,13 +258,7 @@ def params_to_state_dict(cfg: ModelConfig, params: dict, dtype: Any = np.float32
     sd = {"model.embeddings.weight": np.asarray(p["embeddings"]["embedding"], np.float32)}
     for i in range(cfg.n_layers):
         lay = layer_weights(cfg, p, i)
-
-        def get(path: str, leaf: str, lay=lay) -> np.ndarray:
-            node = lay
-            for part in path.split("/"):
-                node = node[part]
-            return np.asarray(node[leaf], np.float32)
-
+        get = lambda path, leaf, lay=lay: np.asarray(_node(lay, path)[leaf], np.float32)  # noqa: E731
         pre = f"model.layers.{i}."
         spec = cfg.attn_spec(i)
         for theirs, ours in (_LINEARS if spec is None else _ATTN_LINEARS).items():

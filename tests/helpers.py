@@ -1,7 +1,14 @@
-"""Small configs for training tests (seconds per run on CPU)."""
+"""Small configs for training tests (seconds per run on CPU), and the sharded loss and gradients."""
+
+import flax.linen as nn
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from laplace_jax.config import RunConfig
 from laplace_jax.defaults import base_config
+from laplace_jax.sharding import BATCH_AXES, make_mesh, param_shardings, param_specs
+from laplace_jax.train.step import fsdp_value_and_grad
 
 
 def micro_config(**sections):
@@ -17,3 +24,16 @@ def micro_config(**sections):
     for name, values in sections.items():
         getattr(c, name).update(values)
     return RunConfig.from_mapping(c)
+
+
+def sharded_value_and_grad(cfg: RunConfig, n_devices: int, params, batch):
+    """The train step's (loss, gradients, compiled HLO text) for ``batch`` on the first
+    ``n_devices`` devices, meshed and sharded as ``cfg`` says."""
+    model, rules = cfg.model, cfg.mesh.rules
+    mesh = make_mesh(cfg.mesh, jax.devices()[:n_devices])
+    fn = jax.jit(fsdp_value_and_grad(model, mesh, param_specs(model, rules)))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        sharded = jax.device_put(params, param_shardings(model, mesh, rules))
+        placed = jax.device_put(batch, NamedSharding(mesh, P(BATCH_AXES)))
+        loss, grads = fn(sharded, placed)
+        return loss, grads, fn.lower(sharded, placed).compile().as_text()

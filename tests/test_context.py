@@ -5,12 +5,10 @@ states per layer whatever the sequence length."""
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from laplace_jax.data.synthetic import NO_LOSS
@@ -19,11 +17,9 @@ from laplace_jax.hlo_stats import collectives_by_source
 from laplace_jax.loss import loss_fn
 from laplace_jax.models.gla_lm import init_params
 from laplace_jax.ops.gla import chunk_gla, context_gla
-from laplace_jax.sharding import BATCH_AXES, make_mesh, param_shardings, param_specs
 from laplace_jax.train.loop import run
-from laplace_jax.train.step import fsdp_value_and_grad
 from laplace_jax.train.trainer import Trainer
-from tests.helpers import micro_config
+from tests.helpers import micro_config, sharded_value_and_grad
 
 TOL = 1e-5  # relative to the largest reference value, fp32
 
@@ -96,18 +92,14 @@ def test_context_model_loss_and_gradients_equal_one_device(mesh_kw, gate_bias):
     one-device ones within 1e-5 relative, at the initial gates and at -16 nats/token (gate bias
     -256 over the normalizer 16)."""
     cfg = micro_config(mesh=mesh_kw, data=dict(seq_len=128), model=dict(max_seq_len=128))
-    model, rules = cfg.model, cfg.mesh.rules
-    mesh = make_mesh(cfg.mesh, jax.devices()[: int(np.prod(list(mesh_kw.values())))])
+    model = cfg.model
     params = init_params(model, jax.random.key(0))
     if gate_bias is not None:
         params = _strong_decay(params, gate_bias)
     batch = np.random.default_rng(0).integers(1, 256, (8, 129)).astype(np.int32)
     batch[:3, 20:90] |= NO_LOSS  # targets counted unevenly across slices and rows
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(model, p, b)))(params, batch)
-    fn = jax.jit(fsdp_value_and_grad(model, mesh, param_specs(model, rules)))
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        sharded = jax.device_put(params, param_shardings(model, mesh, rules))
-        loss, grads = fn(sharded, jax.device_put(batch, NamedSharding(mesh, P(BATCH_AXES))))
+    loss, grads, _ = sharded_value_and_grad(cfg, int(np.prod(list(mesh_kw.values()))), params, batch)
     assert abs(float(loss) - float(ref_loss)) <= TOL * abs(float(ref_loss))
     for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
         assert float(jnp.max(jnp.abs(g - r))) <= TOL * float(jnp.max(jnp.abs(r))) + 1e-12, jax.tree_util.keystr(path)

@@ -25,7 +25,7 @@ from laplace_jax.models.layout import layer_groups
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.request import Request, SamplingParams
 from laplace_jax.train.loop import run
-from tests.helpers import micro_config
+from tests.helpers import micro_config, sharded_value_and_grad
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WINDOWED = dict(layers=[1, 3], num_heads=4, num_kv_heads=2, window_size=6)
@@ -305,28 +305,16 @@ def test_hybrid_trains_resumes_exactly_and_fsdp_equals_one_device(tmp_path):
 def test_context_parallel_hybrid_equals_one_device(attn, context):
     """The micro hybrid with each 128-token sequence split over 2 or 4 devices (and fsdp 2): the
     loss and every gradient equal one device's within 1e-5 relative."""
-    import flax.linen as nn
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     from laplace_jax.hlo_stats import collectives_by_source
     from laplace_jax.loss import loss_fn
-    from laplace_jax.sharding import BATCH_AXES, make_mesh, param_shardings, param_specs
-    from laplace_jax.train.step import fsdp_value_and_grad
 
-    mesh_kw = dict(fsdp=2, context=context)
-    cfg = micro_config(mesh=mesh_kw, data=dict(seq_len=128), model=dict(max_seq_len=128, attn=attn))
-    model, rules = cfg.model, cfg.mesh.rules
-    mesh = make_mesh(cfg.mesh, jax.devices()[: 2 * context])
-    params = init_params(model, jax.random.key(0))
+    cfg = micro_config(
+        mesh=dict(fsdp=2, context=context), data=dict(seq_len=128), model=dict(max_seq_len=128, attn=attn)
+    )
+    params = init_params(cfg.model, jax.random.key(0))
     batch = np.random.default_rng(0).integers(1, 256, (8, 129)).astype(np.int32)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(model, p, b)))(params, batch)
-    fn = jax.jit(fsdp_value_and_grad(model, mesh, param_specs(model, rules)))
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        sharded = jax.device_put(params, param_shardings(model, mesh, rules))
-        placed = jax.device_put(batch, NamedSharding(mesh, P(BATCH_AXES)))
-        loss, grads = fn(sharded, placed)
-        hlo = fn.lower(sharded, placed).compile().as_text()
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(cfg.model, p, b)))(params, batch)
+    loss, grads, hlo = sharded_value_and_grad(cfg, 2 * context, params, batch)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):
         assert float(jnp.max(jnp.abs(g - r))) <= 1e-5 * float(jnp.max(jnp.abs(r))) + 1e-12, jax.tree_util.keystr(path)

@@ -32,6 +32,7 @@ import jax
 
 from laplace_jax.config import ModelConfig
 from laplace_jax.errors import InvalidParamError
+from laplace_jax.layers.attention import ring_size
 from laplace_jax.platform import prng_impl
 from laplace_jax.serve import settings
 from laplace_jax.serve.compiles import CompileCounter
@@ -50,7 +51,7 @@ def check_model_len(cfg: ModelConfig, max_model_len: int) -> None:
     """A hybrid's full-attention layers keep max_seq_len positions per slot: refuse a longer
     max_model_len (a sequence past it would overwrite its oldest keys)."""
     full = sorted(i for spec in cfg.attn or () if spec.window_size is None for i in spec.layers)
-    if full and max_model_len > cfg.max_seq_len:
+    if full and max_model_len > ring_size(cfg, cfg.attn_spec(full[0])):
         raise ValueError(
             f"max_model_len {max_model_len} exceeds the model's max_seq_len {cfg.max_seq_len}: its full-attention "
             f"layers {full} keep a KV buffer of max_seq_len positions per slot; serve with max_model_len <= "

@@ -14,15 +14,16 @@ def flops_per_token(cfg: ModelConfig, n_params: int, seq_len: int) -> float:
     p v over the keys a token sees on average (causal: (seq_len + 1) / 2, at most the window)."""
     matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)  # lookup is free
     C, K, V = cfg.chunk_size, cfg.head_k_dim, cfg.head_v_dim
-    mixers = 0.0
-    for layer in range(cfg.n_layers):
-        spec = cfg.attn_spec(layer)
-        if spec is None:
-            mixers += cfg.n_heads * (4 * K * V + 2 * C * (K + V))
-        else:
-            seen = sum(min(t + 1, spec.window_size or seq_len) for t in range(seq_len)) / seq_len
-            mixers += 4 * seen * cfg.d_model
-    return 6.0 * matmul_params + 3.0 * mixers
+    specs = [spec for spec in cfg.attn or () for _ in spec.layers]  # one per attention layer
+    gla = (cfg.n_layers - len(specs)) * cfg.n_heads * (4 * K * V + 2 * C * (K + V))
+    attn = sum(4 * _keys_seen(seq_len, spec.window_size) * cfg.d_model for spec in specs)
+    return 6.0 * matmul_params + 3.0 * (gla + attn)
+
+
+def _keys_seen(T: int, window: int | None) -> float:
+    """Keys a query sees on average in a causal T-token window: min(t + 1, w) summed over t, / T."""
+    w = T if window is None else min(window, T)
+    return (w * (w + 1) / 2 + (T - w) * w) / T
 
 
 def fits(mem: dict[str, int], available: int) -> bool:
