@@ -15,24 +15,33 @@ from benchmarks.bench_decay_sweep import inputs as sweep_inputs
 from laplace_jax.ops.gla import chunk_gla, gla_step, recurrent_gla
 from laplace_jax.ops.gla.naive import random_gla_inputs as _inputs
 from laplace_jax.ops.gla.naive import rel_error as _rel
+from laplace_jax.platform import compiling_for
 from tests.torch_gla import naive_recurrent_gla
 
 TOL = 5e-6  # max abs error relative to the output scale (max |o_ref|), fp32: 10x the worst measured (5e-7)
 
 
-KERNELS = pytest.mark.parametrize("kernel", ["xla", "xla-full", "pallas"])
+KERNELS = pytest.mark.parametrize("kernel", ["xla", "xla-tpu", "pallas"])
 
 
-def _kw(kernel: str) -> dict:
-    """chunk_gla's keywords for a test kernel: "xla" (its CPU layout, blocks), "xla-full" (the
-    full-width layout TPU and Neuron compile), "pallas"."""
-    return {"kernel": "xla", "layout": "full"} if kernel == "xla-full" else {"kernel": kernel}
+def _chunk(kernel: str):
+    """chunk_gla as a test kernel: "xla" (as XLA:CPU traces it: the blocks layout), "xla-tpu" (the
+    XLA kernel traced as for a TPU, run here: the full-width layout and the split-bf16 direct sums
+    a systolic array gets), "pallas"."""
+    if kernel != "xla-tpu":
+        return functools.partial(chunk_gla, kernel=kernel)
+
+    def traced_for_tpu(*args, **kw):
+        with compiling_for("tpu"):
+            return chunk_gla(*args, kernel="xla", **kw)
+
+    return traced_for_tpu
 
 
 # every T on the XLA kernel; the interpreted Pallas kernel on the T that exercise a partial chunk,
 # one chunk exactly and many chunks (the interpreter is slow on CPU)
 AGREE = [("xla", T) for T in (1, 100, 128, 300, 2048)]
-AGREE += [(kernel, T) for kernel in ("xla-full", "pallas") for T in (100, 128, 2048)]
+AGREE += [(kernel, T) for kernel in ("xla-tpu", "pallas") for T in (100, 128, 2048)]
 
 
 @pytest.mark.parametrize("kernel, T", AGREE)
@@ -44,7 +53,7 @@ def test_chunk_recurrent_torch_agree(T, decay, with_state, kernel):
     f64 = lambda x: torch.from_numpy(np.asarray(x, np.float64))  # noqa: E731  the oracle runs in float64
     o_t, s_t = naive_recurrent_gla(*(f64(x) for x in (q, k, v, g)), initial_state=None if init is None else f64(init))
     o_t, s_t = o_t.numpy(), s_t.numpy()
-    o_c, s_c = chunk_gla(q, k, v, g, initial_state=init, **_kw(kernel))
+    o_c, s_c = _chunk(kernel)(q, k, v, g, initial_state=init)
     o_r, s_r = recurrent_gla(q, k, v, g, initial_state=init)
     assert o_c.shape == o_t.shape and s_c.dtype == jnp.float32
     assert np.all(np.isfinite(o_c))
@@ -60,7 +69,7 @@ def test_chunk_recurrent_torch_agree(T, decay, with_state, kernel):
 def test_chunk_size_does_not_change_result(chunk_size, kernel):
     q, k, v, g, s0 = _inputs(300, "weak")
     ref, _ = chunk_gla(q, k, v, g, initial_state=s0, chunk_size=128)
-    o, _ = chunk_gla(q, k, v, g, initial_state=s0, chunk_size=chunk_size, **_kw(kernel))
+    o, _ = _chunk(kernel)(q, k, v, g, initial_state=s0, chunk_size=chunk_size)
     assert _rel(o, np.asarray(ref, np.float64)) <= TOL
 
 
@@ -76,7 +85,7 @@ def test_gradients_chunk_equal_recurrent(decay, kernel):
         o, s = fn(*args[:4], initial_state=args[4])
         return jnp.sum(o * w_o) + jnp.sum(s * w_s)
 
-    chunk = functools.partial(chunk_gla, **_kw(kernel))
+    chunk = _chunk(kernel)
     grads_c = jax.grad(lambda *a: loss(chunk, *a), argnums=range(5))(q, k, v, g, s0)
     grads_r = jax.grad(lambda *a: loss(recurrent_gla, *a), argnums=range(5))(q, k, v, g, s0)
     for name, gc, gr in zip(["q", "k", "v", "g", "s0"], grads_c, grads_r, strict=True):
@@ -98,7 +107,7 @@ def test_gradients_match_torch_float64_autograd(decay, kernel):
     ((o_t * torch.from_numpy(w_o)).sum() + (s_t * torch.from_numpy(w_s)).sum()).backward()
 
     def loss(*a):
-        o, s = chunk_gla(*a[:4], initial_state=a[4], chunk_size=64, **_kw(kernel))
+        o, s = _chunk(kernel)(*a[:4], initial_state=a[4], chunk_size=64)
         return jnp.sum(o * w_o.astype(np.float32)) + jnp.sum(s * w_s.astype(np.float32))
 
     grads = jax.grad(loss, argnums=range(5))(q, k, v, g, s0)
@@ -113,7 +122,7 @@ SWEEP_PER_ELEMENT, SWEEP_SUMMED = 2e-6, 1e-5  # measured ~1e-7 to 6e-7 on both k
 @functools.cache
 def _sweep_grad(kernel):
     def loss(q, k, v, g, s0, w_o, w_s):
-        o, s = chunk_gla(q, k, v, g, initial_state=s0, chunk_size=64, **_kw(kernel))
+        o, s = _chunk(kernel)(q, k, v, g, initial_state=s0, chunk_size=64)
         return jnp.sum(o * w_o) + jnp.sum(s * w_s)
 
     return jax.jit(jax.grad(loss, argnums=range(5)))
@@ -183,7 +192,7 @@ BF16_BOUND = 2e-2  # RMS relative error of bf16-input chunk_gla vs fp32 (documen
 def test_bf16_inputs_accumulate_in_fp32(kernel):
     q, k, v, g, _s0 = _inputs(512, "weak", seed=3)
     ref, _s_ref = chunk_gla(q, k, v, g)
-    o, s = chunk_gla(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), g, **_kw(kernel))
+    o, s = _chunk(kernel)(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), g)
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     err = float(jnp.linalg.norm(o.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
     print(f"bf16 chunk_gla ({kernel}) RMS relative error: {err:.2e}")
@@ -199,7 +208,7 @@ def test_bf16_gradients_stay_within_the_bf16_bound(kernel):
 
     def grads(dtype):
         def loss(q, k, v, g):
-            o, _ = chunk_gla(q.astype(dtype), k.astype(dtype), v.astype(dtype), g, chunk_size=64, **_kw(kernel))
+            o, _ = _chunk(kernel)(q.astype(dtype), k.astype(dtype), v.astype(dtype), g, chunk_size=64)
             return jnp.sum(o.astype(jnp.float32) * w_o)
 
         return jax.grad(loss, argnums=range(4))(q, k, v, g)
@@ -245,7 +254,7 @@ def test_pallas_edge_shapes_forward_and_gradients_equal_the_xla_kernel(T, K, V, 
 
     def run(kernel):
         def loss(*a):
-            o, s = chunk_gla(*a[:4], initial_state=a[4], chunk_size=C, **_kw(kernel))
+            o, s = _chunk(kernel)(*a[:4], initial_state=a[4], chunk_size=C)
             return jnp.sum(o * w_o) + jnp.sum(s * w_s), (o, s)
 
         return jax.grad(loss, argnums=range(5), has_aux=True)(q, k, v, g, s0)
@@ -300,7 +309,6 @@ def test_the_layout_follows_the_compiler_being_traced_for():
     array (a deviceless TPU compile says so with ``platform.compiling_for``; on a TPU or Neuron
     device JAX's default backend does); both are the tested, exact kernels above."""
     from laplace_jax.ops.gla.levels import layout_for
-    from laplace_jax.platform import compiling_for
 
     assert layout_for("auto") == "blocks"
     with compiling_for("tpu"):

@@ -13,14 +13,22 @@ decay. e^{b_r} and e^{b_C - b_j} are sums from the chunk's start and to its end;
 pairwise factors e^{b_r - b_j} go through the chunk's dyadic levels (``levels.py``: one matmul
 per level, each factor a product of two direct sums <= 0).
 
-Forward: a ``lax.scan`` over chunks carries the fp32 state; each step computes its chunk's
-scores, output and next state, and emits the state it started from and its scores. Autodiff
-saves only the inputs, those chunk-start states [N, B, H, K, V] fp32 and the scores
+Forward: a loop over chunk indices (``lax.fori_loop``) carries the fp32 state; each step slices
+its chunk of q, k, v, g straight from the [B, T, H, D] inputs, computes the chunk's scores,
+output and next state, and writes the output, the state it started from and its scores in place.
+Autodiff saves only the inputs, those chunk-start states [N, B, H, K, V] fp32 and the scores
 [N, B, H, C, C] fp32 (fla's kernel keeps the scores too; recomputing the states would cost a
-second scan). Backward: a reverse ``lax.scan`` carries dS (the gradient on the state at the end
-of the chunk) and, per chunk, returns dq, dk, dv and dg. (A scan over groups of chunks, batched
-inside, was measured too: on the TPU compiler's estimate it is no faster for forward +
-backward, and its temporaries grow with the group.)
+second pass). Backward: the same loop in reverse carries dS (the gradient on the state at the
+end of the chunk) and writes each chunk's dq, dk, dv and dg in place.
+
+Why this loop, on the TPU compiler's estimate (3B layer, v5e; ``docs/tpu.md``): a ``lax.scan``
+over inputs first transposed to [N, B, H, C, D] makes XLA keep the chunk axis inside the
+transposed copy's tiles, so every step's slice of g is a 1 x 128-tiled gather (20% of the
+forward); slicing [B, T, H, D] along T keeps 8 x 128 tiles. The same loop written as
+``lax.scan`` over ``arange(N)`` estimated 17% slower than ``fori_loop`` on the v5e forward.
+The output and gradient buffers start as copies of inputs of their shape (every chunk is
+overwritten), which the estimate prices below a zero fill. A scan over groups of chunks,
+batched inside, is no faster for forward + backward, and its temporaries grow with the group.
 
 The gate gradient, without cancellation. Over the whole sequence, o_r = s sum_{u <= r} (q_r *
 k_u * e^{B_r - B_u}) . v_u (plus the initial state as a key before the sequence), and g_t enters
@@ -59,7 +67,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax.config import SUB_BLOCK, pallas_chunk_ok
 from laplace_jax.ops.gla.inputs import check_inputs
-from laplace_jax.ops.gla.levels import HIGHEST, LAYOUTS, dot, level_matrices, scores, scores_bwd, sums
+from laplace_jax.ops.gla.levels import LAYOUTS, dot, level_matrices, scores, scores_bwd, sums
 from laplace_jax.ops.gla.pallas import pallas_gla, pallas_interpret
 
 Array = jax.Array
@@ -67,16 +75,14 @@ Array = jax.Array
 f32 = jnp.float32
 
 
-def _to_chunks(x: Array, C: int) -> Array:
-    """[B, T, H, D] (T a multiple of C) -> [N, B, H, C, D]."""
-    B, T, H, D = x.shape
-    return x.reshape(B, T // C, C, H, D).transpose(1, 0, 3, 2, 4)
+def _chunk(x: Array, c, C: int) -> Array:
+    """Chunk c of x [B, T, H, D] as [B, H, C, D]."""
+    return jnp.swapaxes(jax.lax.dynamic_slice_in_dim(x, c * C, C, 1), 1, 2)
 
 
-def _from_chunks(x: Array) -> Array:
-    """[N, B, H, C, D] -> [B, N * C, H, D]."""
-    N, B, H, C, D = x.shape
-    return x.transpose(1, 0, 3, 2, 4).reshape(B, N * C, H, D)
+def _put(x: Array, x_c: Array, c, C: int) -> Array:
+    """x [B, T, H, D] with chunk c replaced by x_c [B, H, C, D]."""
+    return jax.lax.dynamic_update_slice_in_dim(x, jnp.swapaxes(x_c, 1, 2).astype(x.dtype), c * C, 1)
 
 
 def _decays(g: Array) -> tuple[Array, Array, Array]:
@@ -101,10 +107,24 @@ def _fwd_chunk(S, xs, scale, layout):
 
 def _forward(q, k, v, g, s0, scale, C, layout):
     """(o [B, T, H, V], final state, chunk-start states [N, B, H, K, V], scores [N, B, H, C, C])."""
-    xs = (*(_to_chunks(x, C) for x in (q, k, v)), _to_chunks(g.astype(f32), C))
+    B, T, H, _ = q.shape
+    N = T // C
     step = functools.partial(_fwd_chunk, scale=scale, layout=layout)
-    sT, (o, starts, A) = jax.lax.scan(step, s0.astype(f32), xs)
-    return _from_chunks(o), sT, starts, A
+    g = g.astype(f32)
+
+    def body(c, carry):
+        S, o, starts, A = carry
+        S_next, (o_c, S_c, A_c) = step(S, tuple(_chunk(x, c, C) for x in (q, k, v, g)))
+        o = _put(o, o_c, c, C)
+        starts = jax.lax.dynamic_update_index_in_dim(starts, S_c, c, 0)
+        A = jax.lax.dynamic_update_index_in_dim(A, A_c, c, 0)
+        return S_next, o, starts, A
+
+    # every chunk of o is overwritten: starting from v (o's shape) spares a zero fill
+    buffers = (v, jnp.zeros((N, *s0.shape), f32), jnp.zeros((N, B, H, C, C), f32))
+    init = (s0.astype(f32), *buffers)
+    sT, o, starts, A = jax.lax.fori_loop(0, N, body, init)
+    return o, sT, starts, A
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -138,7 +158,7 @@ def _bwd_chunk(dS, xs, scale, layout):
     # t <= r, pairs (r after, s in the chunk) for t > s, pairs straddling the chunk every t in it
     m = level_matrices(q.shape[-2])
     dg = sums(m["incl"], "rt,...rk->...tk", qf * dq) + sums(m["rev_excl"], "st,...sk->...tk", kf * dk)
-    dg = dg + (e_tot * jnp.einsum("bhkv,bhkv->bhk", S, dS, precision=HIGHEST))[..., None, :]
+    dg = dg + (e_tot * jnp.sum(S * dS, axis=-1))[..., None, :]
     # through the scores
     dA = jnp.tril(dot("bhrv,bhsv->bhrs", do, v, f32))
     dq_a, dk_a, dg_a = scores_bwd(qf, kf, g, dA, scale, dtype, layout)
@@ -149,11 +169,20 @@ def _bwd_chunk(dS, xs, scale, layout):
 def _vjp_bwd(scale, C, layout, res, cot):
     q, k, v, g, s0, starts, A = res
     do, dsT = cot
-    xs = (*(_to_chunks(x, C) for x in (q, k, v)), _to_chunks(g.astype(f32), C), _to_chunks(do, C), starts, A)
+    N = q.shape[1] // C
     step = functools.partial(_bwd_chunk, scale=scale, layout=layout)
-    ds0, grads = jax.lax.scan(step, dsT.astype(f32), xs, reverse=True)
-    dq, dk, dv, dg = (_from_chunks(x).astype(d.dtype) for x, d in zip(grads, (q, k, v, g), strict=True))
-    return dq, dk, dv, dg, ds0.astype(s0.dtype)
+    gf = g.astype(f32)
+
+    def body(i, carry):
+        c = N - 1 - i
+        dS, grads = carry
+        xs = tuple(_chunk(x, c, C) for x in (q, k, v, gf, do))
+        dS_prev, g_c = step(dS, (*xs, starts[c], A[c]))
+        return dS_prev, tuple(_put(x, x_c, c, C) for x, x_c in zip(grads, g_c, strict=True))
+
+    init = (dsT.astype(f32), (q, k, v, g))  # every chunk is overwritten: the inputs spare a zero fill
+    ds0, grads = jax.lax.fori_loop(0, N, body, init)
+    return (*grads, ds0.astype(s0.dtype))
 
 
 chunk_gla_padded.defvjp(_vjp_fwd, _vjp_bwd)
@@ -180,7 +209,7 @@ def chunk_gla(
     Any T >= 1: the tail is padded with state-neutral positions (q = k = v = 0, g = 0).
     ``chunk_size``: for the XLA kernel a multiple of 16 or one of 1, 2, 4, 8; for the Pallas kernel a
     power of two >= 16.
-    ``kernel``: "xla" (the kernel above: lax.scan, any backend) or "pallas" (``ops/gla/pallas.py``: a
+    ``kernel``: "xla" (the kernel above: a loop over chunks, any backend) or "pallas" (``ops/gla/pallas.py``: a
     Triton-lowered GPU kernel). ``interpret`` runs the Pallas kernel in the Pallas interpreter;
     None means "on CPU only". Both kernels have the same numerics contract and gradients.
     ``layout``: the XLA kernel's intra-chunk layout (``levels.py``): "full" (full-width matmuls per

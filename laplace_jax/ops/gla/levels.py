@@ -29,7 +29,11 @@ Two layouts of the same sums, chosen per compiler when a program is traced (``la
 - ``full`` (TPU, Neuron: systolic arrays): each level is one full-width [P x K] x [K x P] matmul
   whose rows outside the level's halves are zero, kept where r and s share a block. Every array
   keeps a minor dimension of K or P (128): no 1-, 2- or 4-row tiles, which a 128 x 128 matrix
-  unit and 8 x 128 vector registers would waste.
+  unit and 8 x 128 vector registers would waste. A level's head sums live on its upper rows and
+  its tail sums on its lower rows, so one 0/1 matrix (head + tail) gives both in one matmul and
+  one exp, and the gate gradient's two per-level sums are one matmul too (on the TPU compiler's
+  estimate this cut the forward from 9.41 to 7.48 ms and forward + backward from 25.7 to 19.7 ms
+  at the 3B layer on v5e).
 - ``blocks`` (CPU, GPU): each level's pairs as [P / 2h, h, h] blocks, no zero rows, no masks: the
   least arithmetic and memory, which XLA:CPU runs fastest.
 Both return the same scores A [..., C, C] and gradients; the tests run both.
@@ -119,9 +123,8 @@ def _full_factors(g: Array) -> tuple[dict, Array, Array]:
     m = level_matrices(g.shape[-2])
     gp = _pad(g, padded(g.shape[-2]))
     upper = jnp.asarray(m["upper"]).reshape(-1, *([1] * (g.ndim - 2)), gp.shape[-2], 1)
-    e_head = jnp.where(upper, jnp.exp(sums(m["head"], "lrt,...tk->l...rk", gp)), 0.0)
-    e_tail = jnp.where(upper, 0.0, jnp.exp(sums(m["tail"], "lrt,...tk->l...rk", gp)))
-    return m, e_head, e_tail
+    e = jnp.exp(sums(m["head"] + m["tail"], "lrt,...tk->l...rk", gp))  # head rows and tail rows are disjoint
+    return m, jnp.where(upper, e, 0.0), jnp.where(upper, 0.0, e)
 
 
 def _block_mask(m: dict, ndim: int) -> Array:
@@ -146,7 +149,8 @@ def scores_bwd_full(q: Array, k: Array, g: Array, dA: Array, scale: float, dtype
     dAl = jnp.where(_block_mask(m, q.ndim), dAp[None], 0.0)
     dq_l = scale * e_head * dot("l...rs,l...sk->l...rk", dAl, kp[None] * e_tail, dtype)
     dk_l = scale * e_tail * dot("l...rs,l...rk->l...sk", dAl, qp[None] * e_head, dtype)
-    dg = sums(m["head"], "lrt,l...rk->...tk", qp[None] * dq_l) + sums(m["tail"], "lst,l...sk->...tk", kp[None] * dk_l)
+    # dq_l lives on upper rows, dk_l on lower ones: one sum per level for both
+    dg = sums(m["head"] + m["tail"], "lrt,l...rk->...tk", qp[None] * dq_l + kp[None] * dk_l)
     d = scale * jnp.diagonal(dA, axis1=-2, axis2=-1)[..., None]
     return jnp.sum(dq_l, 0)[..., :C, :] + d * k, jnp.sum(dk_l, 0)[..., :C, :] + d * q, dg[..., :C, :]
 
