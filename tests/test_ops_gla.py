@@ -26,8 +26,8 @@ KERNELS = pytest.mark.parametrize("kernel", ["xla", "xla-tpu", "pallas"])
 
 def _chunk(kernel: str):
     """chunk_gla as a test kernel: "xla" (as XLA:CPU traces it: the blocks layout), "xla-tpu" (the
-    XLA kernel traced as for a TPU, run here: the full-width layout and the split-bf16 direct sums
-    a systolic array gets), "pallas"."""
+    XLA kernel traced as for a TPU, run here: the full-width layout a systolic array gets),
+    "pallas"."""
     if kernel != "xla-tpu":
         return functools.partial(chunk_gla, kernel=kernel)
 

@@ -67,10 +67,11 @@ def padded(C: int) -> int:
 @functools.cache
 def level_matrices(C: int) -> dict[str, np.ndarray]:
     """0/1 matrices of a chunk of C rows (levels over ``padded(C)`` rows), float32:
-    ``head[l]`` [P, P] (``head[l] @ g`` = head_l(r) on upper-half rows, 0 elsewhere), ``tail[l]``
-    (tail_l(s) on lower-half rows), ``upper[l]`` [P] (bool), ``block[l]`` [P, P] (r and s share a
-    block of level l); ``incl`` and ``rev_excl`` [C, C], the chunk's inclusive cumulative sum
-    and reverse exclusive one (for the state path)."""
+    ``sides[l]`` [P, P] (``sides[l] @ g`` = head_l(r) on upper-half rows and tail_l(s) on
+    lower-half rows: the two sets of rows are disjoint, so one matrix holds both), ``upper[l]``
+    [P] (bool), ``block[l]`` [P, P] (r and s share a block of level l); ``incl`` and
+    ``rev_excl`` [C, C], the chunk's inclusive cumulative sum and reverse exclusive one (for the
+    state path)."""
     P = padded(C)
     r, t = np.arange(P)[:, None], np.arange(P)[None, :]
     head, tail, upper, block = [], [], [], []
@@ -86,8 +87,7 @@ def level_matrices(C: int) -> dict[str, np.ndarray]:
         h //= 2
     rc, tc = np.arange(C)[:, None], np.arange(C)[None, :]
     return {
-        "head": np.asarray(head, np.float32).reshape(-1, P, P),
-        "tail": np.asarray(tail, np.float32).reshape(-1, P, P),
+        "sides": np.asarray(np.logical_or(head, tail), np.float32).reshape(-1, P, P),
         "upper": np.asarray(upper, bool).reshape(-1, P),
         "block": np.asarray(block, np.float32).reshape(-1, P, P),
         "incl": (tc <= rc).astype(np.float32),
@@ -123,7 +123,7 @@ def _full_factors(g: Array) -> tuple[dict, Array, Array]:
     m = level_matrices(g.shape[-2])
     gp = _pad(g, padded(g.shape[-2]))
     upper = jnp.asarray(m["upper"]).reshape(-1, *([1] * (g.ndim - 2)), gp.shape[-2], 1)
-    e = jnp.exp(sums(m["head"] + m["tail"], "lrt,...tk->l...rk", gp))  # head rows and tail rows are disjoint
+    e = jnp.exp(sums(m["sides"], "lrt,...tk->l...rk", gp))
     return m, jnp.where(upper, e, 0.0), jnp.where(upper, 0.0, e)
 
 
@@ -150,7 +150,7 @@ def scores_bwd_full(q: Array, k: Array, g: Array, dA: Array, scale: float, dtype
     dq_l = scale * e_head * dot("l...rs,l...sk->l...rk", dAl, kp[None] * e_tail, dtype)
     dk_l = scale * e_tail * dot("l...rs,l...rk->l...sk", dAl, qp[None] * e_head, dtype)
     # dq_l lives on upper rows, dk_l on lower ones: one sum per level for both
-    dg = sums(m["head"] + m["tail"], "lrt,l...rk->...tk", qp[None] * dq_l + kp[None] * dk_l)
+    dg = sums(m["sides"], "lrt,l...rk->...tk", qp[None] * dq_l + kp[None] * dk_l)
     d = scale * jnp.diagonal(dA, axis1=-2, axis2=-1)[..., None]
     return jnp.sum(dq_l, 0)[..., :C, :] + d * k, jnp.sum(dk_l, 0)[..., :C, :] + d * q, dg[..., :C, :]
 
