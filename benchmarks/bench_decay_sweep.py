@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import baseline_chunk_gla, write_result
-from laplace_jax.ops.gla import chunk_gla, recurrent_gla
+from laplace_jax.ops.gla import gla, recurrent_gla
 
 DECAYS = (-0.01, -0.1, -1.0, -4.0, -8.0, -16.0, "mixed")
 GRADS = ("q", "k", "v", "g", "s0")
@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     def kernel(name: str):
-        return grad_fn(lambda q, k, v, g, s0: chunk_gla(q, k, v, g, initial_state=s0, chunk_size=C, kernel=name))
+        return grad_fn(lambda q, k, v, g, s0: gla(q, k, v, g, impl=name, initial_state=s0, chunk_size=C))
 
-    kernels = {name: kernel(name) for name in ("xla", "pallas")}
+    kernels = {name: kernel(name) for name in ("chunk", "pallas")}
     if a.baseline:
         base = baseline_chunk_gla(a.baseline)
         kernels["baseline"] = grad_fn(lambda q, k, v, g, s0: base(q, k, v, g, s0, C))

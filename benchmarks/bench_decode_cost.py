@@ -26,10 +26,12 @@ import json, sys, jax
 from laplace_jax.config import load_run_config
 from laplace_jax.models.gla_lm import init_params
 from laplace_jax.platform import median_seconds
+from laplace_jax.serve.config import ServeConfig
 from laplace_jax.serve.engine import Engine
 name, W, steps, calls = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 cfg = load_run_config(f"configs/{name}.py").model
-eng = Engine(cfg, init_params(cfg, jax.random.key(0)), eos_id=0, max_num_seqs=W, buckets=[W], steps_per_call=steps)
+serve = ServeConfig(max_num_seqs=W, decode_buckets=str(W), steps_per_call=steps, devices=1, prefix_cache_bytes=0)
+eng = Engine(cfg, init_params(cfg, jax.random.key(0)), serve, eos_id=0)
 eng.warmup()
 print("ready", flush=True)
 for _ in sys.stdin:

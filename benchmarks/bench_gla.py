@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import baseline_chunk_gla, matmul_gflops, median_seconds, write_result
-from laplace_jax.ops.gla import chunk_gla, recurrent_gla
+from laplace_jax.ops.gla import chunk_gla, gla, recurrent_gla
 from laplace_jax.platform import on_gpu
 
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.pallas and not on_gpu():
         print("  (the Pallas kernel is interpreted on this backend: its times are not kernel times)")
     for C in a.pallas:
-        fn = lambda q, k, v, g, C=C: chunk_gla(q, k, v, g, chunk_size=C, kernel="pallas")  # noqa: E731
+        fn = lambda q, k, v, g, C=C: gla(q, k, v, g, impl="pallas", chunk_size=C)  # noqa: E731
         measure(f"pallas{C}", fn, gla_flops(a.B, a.T, a.H, a.K, a.V, C), a.repeats)
     if a.baseline:
         base = baseline_chunk_gla(a.baseline)
@@ -127,9 +127,16 @@ def main(argv: list[str] | None = None) -> int:
         measure("baseline128", fn, gla_flops(a.B, a.T, a.H, a.K, a.V, 128), a.repeats)
     if not a.no_recurrent:
         measure("recurrent", recurrent_gla, gla_flops(a.B, a.T, a.H, a.K, a.V, 128), 3)
-    rec = res["impls"].get("recurrent")
+    summarize(res["impls"])
+    write_result(res, "bench_gla", argv, a.out)
+    return 0
+
+
+def summarize(impls: dict) -> None:
+    """Add each kernel's forward + backward speedup over the recurrent one; print the table."""
+    rec = impls.get("recurrent")
     print(f"{'impl':<12} {'fwd ms':>8} {'f+b ms':>8} {'f+b %FLOP':>10} {'f+b %BW':>8} {'f+b vs recurrent':>17}")
-    for name, r in res["impls"].items():
+    for name, r in impls.items():
         if rec:
             r["fwd_bwd_speedup_over_recurrent"] = rec["fwd_bwd_s"] / r["fwd_bwd_s"]
         print(
@@ -137,8 +144,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{100 * r['fwd_bwd_fraction_of_flop_peak']:>9.1f}% {100 * r['fwd_bwd_fraction_of_bandwidth']:>7.1f}% "
             f"{r.get('fwd_bwd_speedup_over_recurrent', float('nan')):>16.1f}x"
         )
-    write_result(res, "bench_gla", argv, a.out)
-    return 0
 
 
 if __name__ == "__main__":

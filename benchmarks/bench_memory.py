@@ -216,7 +216,7 @@ def sampler_report(config: str, width: int, prng: str) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
     k = sub.add_parser("kernel", help="jax.grad(chunk_gla) at one layer's shape")
@@ -249,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     sm.add_argument("--prng", nargs="+", default=["threefry2x32", "rbg"])
     for p in (k, s, d, sm):
         p.add_argument("--out", default=None, help="write the JSON result here")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
     res = {"device": jax.devices()[0].device_kind, "host": host.processor() or host.machine(), "jax": jax.__version__}
     if a.what == "kernel":
         r = kernel_report(a.B, a.T, a.H, a.K, a.V, a.chunk_size, a.baseline)

@@ -28,27 +28,27 @@ from tqdm import tqdm
 
 from benchmarks.common import write_result
 from laplace_jax import ModelConfig, forward, init_params
-from laplace_jax.ops.gla import chunk_gla, recurrent_gla
+from laplace_jax.ops.gla import chunk_gla, gla, recurrent_gla
 from laplace_jax.ops.gla.naive import naive_gla, naive_gla_vjp, random_gla_inputs, rel_error
 
-T_XLA = (1, 100, 128, 300, 2048)
+T_CHUNK = (1, 100, 128, 300, 2048)
 T_PALLAS = (100, 128, 2048)  # the interpreter is slow on CPU; the tests use the same subset
 GRADS = ("q", "k", "v", "g", "s0")
 
 
 def _chunk(kernel: str, chunk_size: int = 128):
-    return functools.partial(chunk_gla, chunk_size=chunk_size, kernel=kernel)
+    return functools.partial(gla, impl=kernel, chunk_size=chunk_size)
 
 
 def forward_errors() -> dict[str, float]:
-    worst = {"xla": 0.0, "pallas": 0.0, "recurrent": 0.0}
-    cases = [(T, d, s) for T in sorted(set(T_XLA) | set(T_PALLAS)) for d in ("weak", "strong") for s in (False, True)]
+    worst = {"chunk": 0.0, "pallas": 0.0, "recurrent": 0.0}
+    cases = [(T, d, s) for T in sorted(set(T_CHUNK) | set(T_PALLAS)) for d in ("weak", "strong") for s in (False, True)]
     for T, decay, with_state in tqdm(cases, desc="forward vs float64"):
         q, k, v, g, s0 = random_gla_inputs(T, decay, seed=T)
         init = s0 if with_state else None
         o64, s64 = naive_gla(q, k, v, g, initial_state=init)
         fns = {"recurrent": recurrent_gla}
-        fns.update({kernel: _chunk(kernel) for kernel, ts in (("xla", T_XLA), ("pallas", T_PALLAS)) if T in ts})
+        fns.update({kernel: _chunk(kernel) for kernel, ts in (("chunk", T_CHUNK), ("pallas", T_PALLAS)) if T in ts})
         for name, fn in fns.items():
             o, s = fn(q, k, v, g, initial_state=init)
             worst[name] = max(worst[name], rel_error(o, o64), rel_error(s, s64))
@@ -66,7 +66,7 @@ def _grads(fn, w_o: np.ndarray, w_s: np.ndarray, inputs: tuple) -> tuple:
 
 def gradient_errors() -> dict[str, dict[str, float]]:
     out = {}
-    for kernel in ("xla", "pallas"):
+    for kernel in ("chunk", "pallas"):
         vs_float64, vs_recurrent = [], []
         for decay in ("weak", "strong"):
             inputs = random_gla_inputs(150, decay, seed=11)
@@ -100,16 +100,16 @@ def bf16_errors() -> dict[str, float]:
 
     def grads(kernel: str, dtype) -> tuple[jax.Array, ...]:
         def loss(q, k, v, g):
-            o, _ = chunk_gla(q.astype(dtype), k.astype(dtype), v.astype(dtype), g, kernel=kernel)
+            o, _ = gla(q.astype(dtype), k.astype(dtype), v.astype(dtype), g, impl=kernel)
             return jnp.sum(o.astype(jnp.float32) * w_o)
 
         return jax.grad(loss, argnums=range(4))(q, k, v, g)
 
     ref, _ = chunk_gla(q, k, v, g)
-    ref_grads = grads("xla", jnp.float32)
+    ref_grads = grads("chunk", jnp.float32)
     out = {}
-    for kernel in ("xla", "pallas"):
-        o, _ = chunk_gla(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), g, kernel=kernel)
+    for kernel in ("chunk", "pallas"):
+        o, _ = gla(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), g, impl=kernel)
         out[f"kernel_{kernel}"] = _rms_rel(o, ref)
         out[f"gradients_{kernel}"] = max(map(_rms_rel, grads(kernel, jnp.bfloat16), ref_grads))
     kw = dict(vocab_size=256, d_model=128, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=64, init_std=0.05)

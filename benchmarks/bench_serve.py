@@ -39,6 +39,7 @@ from laplace_jax.config import load_run_config
 from laplace_jax.data.tokenizer import ByteTokenizer
 from laplace_jax.models.gla_lm import init_params
 from laplace_jax.serve import bench
+from laplace_jax.serve.config import ServeConfig
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.launch import BackgroundServer
 from laplace_jax.serve.metrics import ServeMetrics, sample_sum
@@ -48,7 +49,8 @@ DEVICES = 1  # set from --devices
 
 
 def start(cfg, params, **kw) -> BackgroundServer:
-    engine = Engine(cfg, params, eos_id=0, metrics=ServeMetrics(), devices=jax.devices()[:DEVICES], **kw)
+    serve = ServeConfig(**{"devices": DEVICES, "prefix_cache_bytes": 0, "max_model_len": 2048, **kw})
+    engine = Engine(cfg, params, serve, eos_id=0, metrics=ServeMetrics())
     return BackgroundServer(Server(engine, ByteTokenizer(), "m"), portpicker.pick_unused_port())
 
 
@@ -115,10 +117,11 @@ def decode_roofline(cfg, params, widths, steps=8, repeats=10) -> dict:
     """Decode tok/s and the fraction of the bandwidth roofline per bucket W (see module doc)."""
     from laplace_jax.platform import median_seconds
 
-    eng = Engine(
-        cfg, params, eos_id=0, max_num_seqs=max(widths), buckets=widths, steps_per_call=steps,
-        devices=jax.devices()[:DEVICES],
-    )  # fmt: skip
+    buckets = ",".join(map(str, widths))
+    serve = ServeConfig(
+        max_num_seqs=max(widths), decode_buckets=buckets, steps_per_call=steps, devices=DEVICES, prefix_cache_bytes=0
+    )
+    eng = Engine(cfg, params, serve, eos_id=0)
     eng.warmup()
     bw = read_bandwidth()
     weights = sum(x.nbytes for x in jax.tree.leaves(eng.programs.params))  # all replicas
@@ -150,21 +153,22 @@ def decode_step_vs_context(cfg, params, width=4, repeats=30) -> dict:
 
     out = {}
     for n in (128, 8192):
-        eng = Engine(
-            cfg,
-            params,
-            eos_id=0,
+        serve = ServeConfig(
             max_num_seqs=width,
-            buckets=[width],
+            decode_buckets=str(width),
             prefill_chunk=512,
             steps_per_call=8,
             max_model_len=n + 10_000,
+            devices=1,
+            prefix_cache_bytes=0,
         )
+        eng = Engine(cfg, params, serve, eos_id=0)
         eng.warmup()
         for _ in range(width):
             ids = np.random.default_rng(n).integers(1, 256, n).tolist()
             eng.submit(Request(ids, SamplingParams(max_tokens=10_000, ignore_eos=True), lambda *_: None))
-        eng.scheduler.admit()  # prefill every prompt into the slots (host thread, no server)
+        while eng.step().admission is not None:  # prefill every prompt into the slots (host thread, no server)
+            pass
 
         def call(eng=eng, width=width):
             return eng.programs.decode(width)[0]
@@ -176,7 +180,9 @@ def decode_step_vs_context(cfg, params, width=4, repeats=30) -> dict:
 
 
 def compile_share(cfg, params, mode) -> dict:
-    srv = start(cfg, params, max_num_seqs=16, buckets=mode, prefill_chunk=64, steps_per_call=4, max_model_len=1024)
+    srv = start(
+        cfg, params, max_num_seqs=16, decode_buckets=mode, prefill_chunk=64, steps_per_call=4, max_model_len=1024
+    )
     r = load(srv, num_prompts=48, input_len=64, output_len=48, request_rate=12, burstiness=1)
     compile_s = metric_sum(srv, "laplace:compile_seconds_total", phase="serving")
     step_s = metric_sum(srv, "laplace:decode_step_seconds_sum")

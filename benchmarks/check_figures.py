@@ -135,7 +135,7 @@ def _sweep_row(decay: str) -> Callable[[dict], str]:
 
     def fmt(r: dict) -> str:
         row = r["decays"][decay]
-        x, p, b = row["xla"], row["pallas"], row["baseline"]
+        x, p, b = row["chunk"], row["pallas"], row["baseline"]
         return f"| {decay} | {cell(x['g'])} | {cell(p['g'])} | {others(x)} / {others(p)} | {cell(b['g'])} |"
 
     return fmt
@@ -202,16 +202,16 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("BENCHMARKS.md", "train_cpu.json", lambda r: f"| {r['runs']['small_100m']['tokens_per_s']:,.0f} |"),
     ("BENCHMARKS.md", "train_cpu.json", lambda r: f"| {100 * r['runs']['small_100m']['mfu']:.1f}% |"),
     ("BENCHMARKS.md", "train_cpu.json", lambda r: f"({r['peak_flops'] / 1e9:.0f} GFLOP/s)"),
-    ("README.md", "numerics_kernels.json", lambda r: f"<= {_sci(r['forward_max_rel']['xla'])} (XLA)"),
+    ("README.md", "numerics_kernels.json", lambda r: f"<= {_sci(r['forward_max_rel']['chunk'])} (XLA)"),
     ("README.md", "numerics_kernels.json", lambda r: f"<= {_sci(r['forward_max_rel']['pallas'])} (Pallas, interp"),
     ("README.md", "numerics_kernels.json", lambda r: f"<= {_sci(r['forward_max_rel']['recurrent'])} (recurrent)"),
-    ("README.md", "numerics_kernels.json", lambda r: _grad_range(r, "xla", "XLA")),
+    ("README.md", "numerics_kernels.json", lambda r: _grad_range(r, "chunk", "XLA")),
     ("README.md", "numerics_kernels.json", lambda r: _grad_range(r, "pallas", "Pallas")),
-    ("README.md", "numerics_kernels.json", lambda r: f"<= {_sci(_grads(r, 'xla')[_VS_RECURRENT])} (XLA)"),
+    ("README.md", "numerics_kernels.json", lambda r: f"<= {_sci(_grads(r, 'chunk')[_VS_RECURRENT])} (XLA)"),
     ("README.md", "numerics_kernels.json", lambda r: f"<= {_sci(_grads(r, 'pallas')[_VS_RECURRENT])} (Pallas)"),
-    ("README.md", "numerics_kernels.json", lambda r: f"{_sci(r['bf16_rms_rel']['kernel_xla'])} (XLA)"),
+    ("README.md", "numerics_kernels.json", lambda r: f"{_sci(r['bf16_rms_rel']['kernel_chunk'])} (XLA)"),
     ("README.md", "numerics_kernels.json", lambda r: f"{_sci(r['bf16_rms_rel']['kernel_pallas'])} (Pallas)"),
-    ("README.md", "numerics_kernels.json", lambda r: f"{_sci(r['bf16_rms_rel']['gradients_xla'])} (XLA grads)"),
+    ("README.md", "numerics_kernels.json", lambda r: f"{_sci(r['bf16_rms_rel']['gradients_chunk'])} (XLA grads)"),
     ("README.md", "numerics_kernels.json", lambda r: f"{_sci(r['bf16_rms_rel']['gradients_pallas'])} (Pallas grads)"),
     ("README.md", "numerics_kernels.json", lambda r: f"< 3e-2 | {_sci(r['bf16_rms_rel']['model_logits'])} |"),
     ("BENCHMARKS.md", "muon_3b.json", lambda r: f"{r['bfloat16']['reduction_vs_gather']:.1f}x"),

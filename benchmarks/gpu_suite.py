@@ -56,14 +56,14 @@ def gla_inputs(shape):
 
 
 def kernels(shape, dry: bool) -> list[dict]:
-    from laplace_jax.ops.gla import chunk_gla
+    from laplace_jax.ops.gla import gla
 
     args = gla_inputs(shape)
     out = []
-    for kernel, C in (("xla", 64), ("xla", 128), ("pallas", 64), ("pallas", 128)):
-        kw = {"kernel": kernel, "chunk_size": C, **({"interpret": True} if kernel == "pallas" and dry else {})}
-        fwd = jax.jit(lambda q, k, v, g, kw=kw: chunk_gla(q, k, v, g, **kw)[0])
-        loss = lambda q, k, v, g, kw=kw: chunk_gla(q, k, v, g, **kw)[0].astype(jnp.float32).sum()  # noqa: E731
+    for kernel, C in (("chunk", 64), ("chunk", 128), ("pallas", 64), ("pallas", 128)):
+        kw = {"impl": kernel, "chunk_size": C, **({"interpret": True} if kernel == "pallas" and dry else {})}
+        fwd = jax.jit(lambda q, k, v, g, kw=kw: gla(q, k, v, g, **kw)[0])
+        loss = lambda q, k, v, g, kw=kw: gla(q, k, v, g, **kw)[0].astype(jnp.float32).sum()  # noqa: E731
         both = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
         for name, fn in (("forward", fwd), ("forward+backward", both)):
             t = median_seconds(lambda fn=fn: fn(*args), repeats=3 if dry else 10, warmup=1 if dry else 3)
@@ -118,13 +118,15 @@ def decode(dry: bool) -> list[dict]:
     from laplace_jax.config import load_run_config
     from laplace_jax.loading import cast_params
     from laplace_jax.models.gla_lm import init_params
+    from laplace_jax.serve.config import ServeConfig
     from laplace_jax.serve.engine import Engine
 
     cfg = load_run_config("configs/tiny.py" if dry else "configs/3b.py").model
     params = cast_params(init_params(cfg, jax.random.key(0)), "bfloat16")
     out = []
     for W in DECODE_WIDTHS["dry" if dry else "full"]:
-        eng = Engine(cfg, params, eos_id=0, max_num_seqs=W, buckets=[W], steps_per_call=8)
+        serve = ServeConfig(max_num_seqs=W, decode_buckets=str(W), steps_per_call=8, devices=1, prefix_cache_bytes=0)
+        eng = Engine(cfg, params, serve, eos_id=0)
         eng.warmup()
         t = median_seconds(lambda eng=eng, W=W: eng.programs.decode(W)[0], repeats=5, warmup=2)
         out.append({"width": W, "call_s": t, "tokens_per_s": 8 * W / t})

@@ -20,7 +20,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default is None or action.default is argparse.SUPPRESS or "default" in text.lower():
+        if action.default in (None, False) or action.default is argparse.SUPPRESS or "default" in text.lower():
             return text
         return super()._get_help_string(action)
 

@@ -24,19 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from laplace_jax.errors import ConfigError
+from laplace_jax.ops.gla.limits import IMPLS, chunk_size_problem
 from laplace_jax.platform import PEAK_BF16_TFLOPS, PRNG_IMPLS
 
-SUB_BLOCK = 16  # rows of the GLA kernels' exact-decay sub-blocks (the smallest side a Triton dot takes)
-
-
-def pallas_chunk_ok(chunk_size: int) -> bool:
-    """Whether the Pallas GLA kernel takes this chunk size: a power of two >= 16 (Triton blocks
-    must have power-of-two sizes, and a chunk is a whole number of 16-row sub-blocks)."""
-    return chunk_size >= SUB_BLOCK and chunk_size & (chunk_size - 1) == 0
-
-
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-ATTN_IMPLS = ("chunk", "pallas", "recurrent", "auto")
 # model.remat -> the jax.checkpoint policy of each layer: what it keeps for its backward (the rest
 # is recomputed); "none" keeps everything (no remat).
 REMAT_POLICIES = {
@@ -268,7 +259,7 @@ class ModelConfig(Block):
     tie_embeddings: bool = False
     init_std: float = 0.02
     chunk_size: int = 128
-    attn_impl: str = choice("chunk", ATTN_IMPLS)
+    attn_impl: str = choice("chunk", IMPLS)
     dtype: str = choice("float32", tuple(DTYPES))
     remat: str = choice("none", REMAT)
     scan_layers: bool = True
@@ -290,11 +281,9 @@ class ModelConfig(Block):
     def check(self) -> None:
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "gate_low_rank_dim", "chunk_size")
         _positive(self, "model", positive)
-        if self.attn_impl in ("pallas", "auto") and not pallas_chunk_ok(self.chunk_size):
-            raise ConfigError(
-                f"model.attn_impl={self.attn_impl!r} needs model.chunk_size a power of two, at least {SUB_BLOCK} "
-                f"(the Pallas kernel's block sizes); got {self.chunk_size}"
-            )
+        for impl in ("chunk", "pallas") if self.attn_impl in ("pallas", "auto") else ("chunk",):
+            if (problem := chunk_size_problem(impl, self.chunk_size)) is not None:
+                raise ConfigError(f"model.attn_impl={self.attn_impl!r}: {problem}")
         if self.n_heads % self.kv_heads:
             raise ConfigError(
                 f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.kv_heads})"

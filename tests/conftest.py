@@ -1,3 +1,5 @@
+"""Suite-wide setup: eight fake CPU devices, and JAX's compiled programs released after each module."""
+
 import os
 
 # Fake CPU devices for mesh tests; must be set before jax is imported anywhere.

@@ -8,6 +8,7 @@ import portpicker
 
 from laplace_jax import ModelConfig, decode_step, init_params, init_state
 from laplace_jax.data.tokenizer import ByteTokenizer
+from laplace_jax.serve.config import ServeConfig
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.launch import BackgroundServer
 from laplace_jax.serve.metrics import ServeMetrics
@@ -18,6 +19,12 @@ CFG = ModelConfig(
 )
 PARAMS = init_params(CFG, jax.random.key(0))
 TOK = ByteTokenizer()
+
+
+def serve_config(**kw) -> ServeConfig:
+    """A ``ServeConfig`` for tests: one device, no prefix cache, max_model_len 2048 unless ``kw``
+    says otherwise (small engines that compile fast and whose counts are not shared)."""
+    return ServeConfig(**{"devices": 1, "prefix_cache_bytes": 0, "max_model_len": 2048, **kw})
 
 
 def reference_greedy(ids, n, eos_id=TOK.eos_id, params=PARAMS, cfg=CFG):
@@ -37,15 +44,14 @@ def reference_greedy(ids, n, eos_id=TOK.eos_id, params=PARAMS, cfg=CFG):
 
 
 class Running(BackgroundServer):
-    """The tiny model served as "tiny"; ``server_kw`` go to ``Server``, ``uvicorn_kw`` to
-    ``make_uvicorn``, the rest to ``Engine``."""
+    """The tiny model served as "tiny"; ``serve_kw``: ``ServeConfig`` fields (``serve_config``'s
+    defaults, with a 64 MiB prefix cache, as serve.py runs it)."""
 
-    def __init__(self, tokenizer=TOK, server_kw=None, eos_id=TOK.eos_id, uvicorn_kw=None, **engine_kw):
-        engine_kw.setdefault("max_model_len", 512)
-        engine_kw.setdefault("prefix_cache_bytes", 1 << 26)  # on, as serve.py runs it
-        self.engine = Engine(CFG, PARAMS, eos_id=eos_id, metrics=ServeMetrics(), **engine_kw)
-        server = Server(self.engine, tokenizer, "tiny", **(server_kw or {}))
-        super().__init__(server, portpicker.pick_unused_port(), **(uvicorn_kw or {}))
+    def __init__(self, tokenizer=TOK, eos_id=TOK.eos_id, **serve_kw):
+        serve_kw = {"max_model_len": 512, "prefix_cache_bytes": 1 << 26, **serve_kw}
+        self.engine = Engine(CFG, PARAMS, serve_config(**serve_kw), eos_id=eos_id, metrics=ServeMetrics())
+        server = Server(self.engine, tokenizer, "tiny")
+        super().__init__(server, portpicker.pick_unused_port())
 
     def client(self):
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)

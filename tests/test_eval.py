@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from serving_helpers import serve_config
 
 from laplace_jax import ModelConfig, forward, init_params
 from laplace_jax.checkpoint import save_model
@@ -130,7 +131,8 @@ def test_model_scorer_answers_are_the_models_greedy_tokens():
     params = init_params(MICRO, jax.random.key(0))
     tok = ByteTokenizer()
     samples = suite("passkey", 0, [200, 400], [0.5], 2)
-    factory = lambda: Engine(MICRO, params, eos_id=0, max_num_seqs=2, prefill_chunk=64, max_model_len=1024)  # noqa: E731
+    serve = serve_config(max_num_seqs=2, prefill_chunk=64, max_model_len=1024)
+    factory = lambda: Engine(MICRO, params, serve, eos_id=0)  # noqa: E731
     done, seen = [], []
 
     def answers(ss):
@@ -164,7 +166,7 @@ def test_numerics_report_bounds_on_a_tiny_model():
     outs = {}
     for dtype in ("float32", "bfloat16"):
         cfg = dataclasses.replace(MICRO, dtype=dtype)
-        eng = Engine(cfg, params, eos_id=-1, max_num_seqs=1, prefill_chunk=64, max_model_len=1024)
+        eng = Engine(cfg, params, serve_config(max_num_seqs=1, prefill_chunk=64, max_model_len=1024), eos_id=-1)
         eng.warmup()
         outs[dtype] = []
         greedy = SamplingParams(max_tokens=8, temperature=0.0)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from serving_helpers import reference_greedy
+from serving_helpers import reference_greedy, serve_config
 
 from laplace_jax import ModelConfig, decode_step, forward, init_params, init_state, prefill
 from laplace_jax.checkpoint import save_model
@@ -233,10 +233,11 @@ def ids(n, seed):
 
 
 def engine(cache_bytes):
-    e = Engine(
-        SERVED, SERVED_PARAMS, eos_id=0, max_num_seqs=2, prefill_chunk=16, steps_per_call=3, max_model_len=512,
-        prefix_cache_bytes=cache_bytes, prefix_block=64,
+    serve = serve_config(
+        max_num_seqs=2, prefill_chunk=16, steps_per_call=3, max_model_len=512, prefix_cache_bytes=cache_bytes,
+        prefix_block=64,
     )  # fmt: skip
+    e = Engine(SERVED, SERVED_PARAMS, serve, eos_id=0)
     e.warmup()
     return e
 
@@ -271,7 +272,7 @@ def test_served_hybrid_is_exact_compiles_nothing_after_warmup_and_resumes_bit_id
 
 def test_full_attention_bounds_max_model_len():
     with pytest.raises(ValueError, match=r"full-attention layers \[2\] keep a KV buffer of max_seq_len"):
-        Engine(SERVED, SERVED_PARAMS, eos_id=0, max_model_len=1024)
+        Engine(SERVED, SERVED_PARAMS, serve_config(max_model_len=1024), eos_id=0)
 
 
 # ----- training ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.bench_decay_sweep import DECAYS as SWEEP
 from benchmarks.bench_decay_sweep import inputs as sweep_inputs
-from laplace_jax.ops.gla import chunk_gla, gla_step, recurrent_gla
+from laplace_jax.ops.gla import chunk_gla, gla, gla_step, recurrent_gla
 from laplace_jax.ops.gla.naive import random_gla_inputs as _inputs
 from laplace_jax.ops.gla.naive import rel_error as _rel
 from laplace_jax.platform import compiling_for
@@ -21,27 +21,27 @@ from tests.torch_gla import naive_recurrent_gla
 TOL = 5e-6  # max abs error relative to the output scale (max |o_ref|), fp32: 10x the worst measured (5e-7)
 
 
-KERNELS = pytest.mark.parametrize("kernel", ["xla", "xla-tpu", "pallas"])
+KERNELS = pytest.mark.parametrize("kernel", ["chunk", "chunk-tpu", "pallas"])
 
 
 def _chunk(kernel: str):
-    """chunk_gla as a test kernel: "xla" (as XLA:CPU traces it: the blocks layout), "xla-tpu" (the
-    XLA kernel traced as for a TPU, run here: the full-width layout a systolic array gets),
-    "pallas"."""
-    if kernel != "xla-tpu":
-        return functools.partial(chunk_gla, kernel=kernel)
+    """A chunked GLA kernel under test: "chunk" (as XLA:CPU traces it: the blocks layout),
+    "chunk-tpu" (the chunk kernel traced as for a TPU, run here: the full-width layout a systolic
+    array gets), "pallas"."""
+    if kernel != "chunk-tpu":
+        return functools.partial(gla, impl=kernel)
 
     def traced_for_tpu(*args, **kw):
         with compiling_for("tpu"):
-            return chunk_gla(*args, kernel="xla", **kw)
+            return gla(*args, impl="chunk", **kw)
 
     return traced_for_tpu
 
 
-# every T on the XLA kernel; the interpreted Pallas kernel on the T that exercise a partial chunk,
-# one chunk exactly and many chunks (the interpreter is slow on CPU)
-AGREE = [("xla", T) for T in (1, 100, 128, 300, 2048)]
-AGREE += [(kernel, T) for kernel in ("xla-tpu", "pallas") for T in (100, 128, 2048)]
+# every T on the chunk kernel; the interpreted Pallas kernel on the T that exercise a partial
+# chunk, one chunk exactly and many chunks (the interpreter is slow on CPU)
+AGREE = [("chunk", T) for T in (1, 100, 128, 300, 2048)]
+AGREE += [(kernel, T) for kernel in ("chunk-tpu", "pallas") for T in (100, 128, 2048)]
 
 
 @pytest.mark.parametrize("kernel, T", AGREE)
@@ -223,7 +223,7 @@ def test_pallas_autodiff_saves_only_inputs_and_chunk_states():
     states [B, H, N, K, V], nothing else (besides the pads' scalar fill values)."""
     B, T, H, K, V, C = 1, 64, 2, 16, 32, 32
     q, k, v, g, s0 = _inputs(T, "weak", B=B, H=H, K=K, V=V)
-    _, f_vjp = jax.vjp(lambda *a: chunk_gla(*a[:4], initial_state=a[4], chunk_size=C, kernel="pallas"), q, k, v, g, s0)
+    _, f_vjp = jax.vjp(lambda *a: gla(*a[:4], impl="pallas", initial_state=a[4], chunk_size=C), q, k, v, g, s0)
     sizes = sorted(x.size for x in jax.tree.leaves(f_vjp) if x.ndim)
     states = (T // C) * B * H * K * V
     assert sizes == sorted([q.size, k.size, v.size, g.size, states])
@@ -259,7 +259,7 @@ def test_pallas_edge_shapes_forward_and_gradients_equal_the_xla_kernel(T, K, V, 
 
         return jax.grad(loss, argnums=range(5), has_aux=True)(q, k, v, g, s0)
 
-    (grads, outs), (ref_grads, ref_outs) = run("pallas"), run("xla")
+    (grads, outs), (ref_grads, ref_outs) = run("pallas"), run("chunk")
     names = ["o", "s", "q", "k", "v", "g", "s0"]
     for name, ours, ref in zip(names, [*outs, *grads], [*ref_outs, *ref_grads], strict=True):
         assert _rel(ours, np.asarray(ref, np.float64)) <= TOL, name
@@ -281,9 +281,9 @@ def test_bad_inputs_raise_clear_errors():
         chunk_gla(q, k, v, g, chunk_size=24)
     for bad in (8, 48):  # 48: a multiple of 16, but Triton blocks take powers of two
         with pytest.raises(ValueError, match="power of two"):
-            chunk_gla(q, k, v, g, chunk_size=bad, kernel="pallas")
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        chunk_gla(q, k, v, g, kernel="triton")
+            gla(q, k, v, g, impl="pallas", chunk_size=bad)
+    with pytest.raises(ValueError, match="GLA kernel must be one of chunk, pallas, recurrent, auto"):
+        gla(q, k, v, g, impl="triton")
 
 
 @pytest.mark.parametrize("decay", ["weak", "strong"])

@@ -9,7 +9,7 @@ import httpx
 import jax
 import numpy as np
 import pytest
-from serving_helpers import CFG, PARAMS, TOK, Running
+from serving_helpers import CFG, PARAMS, TOK, Running, serve_config
 
 from laplace_jax import init_params
 from laplace_jax.loading import cast_params
@@ -106,7 +106,7 @@ def test_budget_below_one_state_is_off():
 def engine(cache_bytes: int, cfg=CFG, params=PARAMS, devices: int = 1, **kw) -> Engine:
     # 128-token blocks (the default for this model would be lcm(chunk_size 16, prefill chunk 16) = 16)
     kw = {"max_num_seqs": 2, "prefill_chunk": 16, "steps_per_call": 3, "max_model_len": 512, "prefix_block": 128, **kw}
-    e = Engine(cfg, params, eos_id=TOK.eos_id, prefix_cache_bytes=cache_bytes, devices=jax.devices()[:devices], **kw)
+    e = Engine(cfg, params, serve_config(prefix_cache_bytes=cache_bytes, devices=devices, **kw), eos_id=TOK.eos_id)
     e.warmup()
     return e
 
@@ -254,7 +254,7 @@ def test_server_exports_cache_metrics_and_the_bench_counts_turns(tmp_path):
 def test_byte_size_flag():
     import argparse
 
-    from serve import byte_size
+    from laplace_jax.serve.config import byte_size
 
     assert byte_size("0") == 0 and byte_size("512M") == 512 << 20 and byte_size("1g") == 1 << 30
     for bad in ("12X", "-1", "G"):
@@ -265,6 +265,6 @@ def test_byte_size_flag():
 def test_a_block_that_breaks_the_chunk_partition_is_refused():
     """The unit is the model's own kernel chunk (CFG.chunk_size = 16) and the prefill chunk."""
     with pytest.raises(ValueError, match=r"multiple of 16 \(the model's 16-token kernel chunk"):
-        Engine(CFG, PARAMS, eos_id=0, prefill_chunk=16, prefix_cache_bytes=1 << 20, prefix_block=200)
-    engine = Engine(CFG, PARAMS, eos_id=0, prefill_chunk=16, prefix_cache_bytes=1 << 20, prefix_block=48)
+        Engine(CFG, PARAMS, serve_config(prefill_chunk=16, prefix_cache_bytes=1 << 20, prefix_block=200), eos_id=0)
+    engine = Engine(CFG, PARAMS, serve_config(prefill_chunk=16, prefix_cache_bytes=1 << 20, prefix_block=48), eos_id=0)
     assert engine.prefix.block == 48

@@ -39,7 +39,7 @@ def test_train_traces_the_chosen_steps_into_the_workdir(tmp_path):
 
 
 def test_serve_profile_window_writes_a_trace(tmp_path):
-    s = Running(max_num_seqs=1, prefill_chunk=16, buckets=[1], server_kw={"profile_dir": str(tmp_path)})
+    s = Running(max_num_seqs=1, prefill_chunk=16, decode_buckets="1", profile_dir=str(tmp_path))
     try:
         assert s.post(route="/stop_profile").status_code == 409  # nothing running yet
         r = s.post(route="/start_profile")
@@ -55,7 +55,7 @@ def test_serve_profile_window_writes_a_trace(tmp_path):
 
 
 def test_profile_routes_are_off_without_a_directory():
-    s = Running(max_num_seqs=1, prefill_chunk=16, buckets=[1])
+    s = Running(max_num_seqs=1, prefill_chunk=16, decode_buckets="1")
     try:
         r = s.post(route="/start_profile")
         assert r.status_code == 404 and "--profile-dir" in r.json()["error"]["message"]

@@ -201,13 +201,42 @@ def test_unknown_fields_are_explained(srv, route, body, message):
     assert r.json()["error"]["param"] == next(iter(body))
 
 
+def test_every_vllm_field_is_served_or_refused_with_its_reason(srv):
+    """Each field vLLM or OpenAI clients send that this server does not implement gets 400 naming
+    it, "not supported" and what is missing; on the chat route and the completions route alike."""
+    from laplace_jax.serve.routes import UNSUPPORTED
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    for field, reason in UNSUPPORTED.items():
+        for route, base in (("/v1/chat/completions", chat), ("/v1/completions", {"model": "tiny", "prompt": "x"})):
+            if field == "echo" and "chat" not in route:
+                continue  # the completions route serves echo
+            r = httpx.post(srv.url + route, json={**base, field: True})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == field, (field, route, r.text)
+            assert err["message"] == f"{field!r} is not supported: this server does no {reason}"
+
+
+def test_a_request_id_names_the_response(srv):
+    r = srv.post({"model": "tiny", "prompt": "x", "max_tokens": 1, "request_id": "abc-1"})
+    assert r.json()["id"] == "cmpl-abc-1"
+    with httpx.stream(
+        "POST",
+        srv.url + "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True,
+              "request_id": "xyz"},
+    ) as s:  # fmt: skip
+        ids = {json.loads(line[6:])["id"] for line in s.iter_lines() if line.startswith("data: {")}
+    assert ids == {"chatcmpl-xyz"}
+
+
 def test_malformed_json(srv):
     r = httpx.post(srv.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
 
 
 def test_queue_overflow_gives_429():
-    s = Running(max_num_seqs=1, prefill_chunk=16, steps_per_call=1, max_queue=1, buckets=[1])
+    s = Running(max_num_seqs=1, prefill_chunk=16, steps_per_call=1, max_queue=1, decode_buckets="1")
     try:
         body = {"model": "tiny", "prompt": "a", "max_tokens": 500, "ignore_eos": True}
         codes = []
@@ -229,11 +258,13 @@ import json, sys, jax
 from laplace_jax.platform import set_compile_cache
 set_compile_cache(sys.argv[1])
 from laplace_jax import ModelConfig, init_params
+from laplace_jax.serve.config import ServeConfig
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.metrics import ServeMetrics
 cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16)
 m = ServeMetrics()
-e = Engine(cfg, init_params(cfg, jax.random.key(0)), eos_id=0, max_num_seqs=4, prefill_chunk=16, metrics=m)
+serve = ServeConfig(max_num_seqs=4, prefill_chunk=16, devices=1, prefix_cache_bytes=0)
+e = Engine(cfg, init_params(cfg, jax.random.key(0)), serve, eos_id=0, metrics=m)
 e.warmup()
 print(json.dumps({"hits": m.cache_hits._value.get(), "misses": m.cache_misses._value.get()}))
 """

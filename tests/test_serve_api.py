@@ -303,9 +303,7 @@ def test_tokenization_runs_off_the_event_loop(srv):
 
 
 def test_a_queued_client_that_leaves_frees_its_place():
-    s = Running(
-        max_num_seqs=1, prefill_chunk=16, steps_per_call=1, max_queue=2, buckets=[1], server_kw={"drain_timeout": 2}
-    )
+    s = Running(max_num_seqs=1, prefill_chunk=16, steps_per_call=1, max_queue=2, decode_buckets="1", drain_timeout=2)
     decode = s.engine.programs.decode
     s.engine.programs.decode = lambda w: (time.sleep(0.05), decode(w))[1]  # keep the one slot busy for ~25 s
     try:
@@ -334,7 +332,7 @@ def test_a_queued_client_that_leaves_frees_its_place():
 
 
 def test_idle_sockets_are_closed_and_capped():
-    s = Running(max_num_seqs=2, prefill_chunk=16, uvicorn_kw={"header_timeout": 0.5, "max_connections": 8})
+    s = Running(max_num_seqs=2, prefill_chunk=16, header_timeout=0.5, max_connections=8)
     host, port = s.url.removeprefix("http://").split(":")
     try:
         socks = [socket.create_connection((host, int(port))) for _ in range(12)]
@@ -387,3 +385,11 @@ def test_the_openai_client_with_every_field(srv):
     )
     assert len(chat.choices) == 2 and all(len(e.top_logprobs) == 3 for e in chat.choices[0].logprobs.content)
     assert srv.engine.compiles.total("serving") == 0
+
+
+def test_openapi_states_the_response_shapes(srv):
+    schemas = httpx.get(srv.url + "/openapi.json").json()["components"]["schemas"]
+    assert {"Completion", "ChatCompletion", "ChatCompletionChunk", "Usage", "CompletionLogprobs"} <= set(schemas)
+    assert schemas["ChatCompletionChunk"]["properties"]["object"]["const"] == "chat.completion.chunk"
+    r = srv.post({"model": "tiny", "prompt": "ab", "max_tokens": 2, "logprobs": 1})
+    assert set(r.json()) == set(schemas["Completion"]["properties"])  # what is served is what is stated

@@ -4,7 +4,7 @@ import threading
 import time
 
 import jax
-from serving_helpers import CFG, PARAMS, TOK, reference_greedy
+from serving_helpers import CFG, PARAMS, TOK, reference_greedy, serve_config
 
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.metrics import ServeMetrics
@@ -15,7 +15,7 @@ PROMPTS = [f"request {i}: " + "abc" * (i % 4) for i in range(20)]
 
 def engine(devices: int, **kw) -> Engine:
     kw = {"max_num_seqs": 2, "prefill_chunk": 16, "steps_per_call": 3, "max_model_len": 512, **kw}
-    eng = Engine(CFG, PARAMS, eos_id=TOK.eos_id, devices=jax.devices()[:devices], metrics=ServeMetrics(), **kw)
+    eng = Engine(CFG, PARAMS, serve_config(devices=devices, **kw), eos_id=TOK.eos_id, metrics=ServeMetrics())
     eng.warmup()
     return eng
 
@@ -45,6 +45,12 @@ def serve_staggered(eng: Engine) -> dict[int, list[int]]:
     return outs
 
 
+def admit_all(eng):
+    """Engine steps until one admits nothing (that step decodes the live slots once)."""
+    while eng.step().admission is not None:
+        pass
+
+
 def test_eight_devices_equal_one_device_token_for_token():
     assert len(jax.devices()) >= 8
     one, eight = engine(1), engine(8)
@@ -60,33 +66,32 @@ def test_eight_devices_equal_one_device_token_for_token():
 
 
 def test_requests_go_to_the_least_loaded_device_and_compact_per_device():
-    eng = engine(4, max_num_seqs=3, buckets=[3])
+    eng = engine(4, max_num_seqs=3, decode_buckets="3")
     long = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
     reqs = [Request(TOK.encode(f"x{i}"), long, lambda *_: None) for i in range(6)]
     for r in reqs:
         eng.submit(r)
-    eng.scheduler.admit()
+    admit_all(eng)
     assert eng.occupancy() == [2, 2, 1, 1]  # one per device per round, least-loaded first
     reqs[0].cancelled = True  # device 0, slot 0: its last live slot moves into the hole
-    eng.scheduler.slots.reap_cancelled()
+    eng.step()  # reaps it, then decodes
     assert eng.occupancy() == [1, 2, 1, 1]
     assert eng.scheduler.slots.rows[0] == [reqs[4]]
     eng.submit(Request(TOK.encode("new"), long, lambda *_: None))
-    eng.scheduler.admit()
+    admit_all(eng)
     assert eng.occupancy() == [2, 2, 1, 1]  # devices 0, 2, 3 tie at 1: the lowest index wins
 
 
 def test_a_moved_slot_keeps_decoding_its_own_sequence():
     """Compaction on one device must carry the state: cancel a request mid-way on a 4-device engine,
     the survivors still produce the reference greedy tokens."""
-    eng = engine(4, max_num_seqs=2, buckets=[2])
+    eng = engine(4, max_num_seqs=2, decode_buckets="2")
     outs = {i: [] for i in range(8)}
     greedy = SamplingParams(max_tokens=15, temperature=0)
     reqs = [Request(TOK.encode(PROMPTS[i]), greedy, lambda t, r, i=i: outs[i].extend(t)) for i in range(8)]
     for r in reqs:
         eng.submit(r)
-    eng.scheduler.admit()
-    eng.scheduler.decode_once()
+    admit_all(eng)  # then one decode call
     reqs[0].cancelled = True
     eng.run_until_idle()
     for i in range(1, 8):
@@ -108,7 +113,7 @@ def test_rbg_keys_sample_reproducibly_and_greedy_is_unchanged():
     decoding equals the model's own recurrent path."""
     from tests.serving_helpers import TOK, Running, reference_greedy
 
-    srv = Running(prng="rbg", max_num_seqs=2)
+    srv = Running(prng_impl="rbg", max_num_seqs=2)
     try:
         c = srv.client()
         runs = [

@@ -155,12 +155,12 @@ def test_a_failing_prefill_ends_only_that_request(srv):
 
 
 def test_a_throwing_client_callback_does_not_stop_the_engine():
-    from serving_helpers import CFG, PARAMS
+    from serving_helpers import CFG, PARAMS, serve_config
 
     from laplace_jax.serve.engine import Engine
     from laplace_jax.serve.request import Request, SamplingParams
 
-    eng = Engine(CFG, PARAMS, eos_id=0, max_num_seqs=2, prefill_chunk=16)
+    eng = Engine(CFG, PARAMS, serve_config(max_num_seqs=2, prefill_chunk=16), eos_id=0)
     eng.warmup()
     outs = {0: [], 1: []}
 
@@ -177,7 +177,7 @@ def test_a_throwing_client_callback_does_not_stop_the_engine():
 
 
 def test_device_loop_failure_restarts_the_engine():
-    s = Running(max_num_seqs=2, prefill_chunk=16, steps_per_call=2, buckets=[2])
+    s = Running(max_num_seqs=2, prefill_chunk=16, steps_per_call=2, decode_buckets="2")
     try:
         eng = s.engine
         real = eng.programs.executables[("decode", 2)]
@@ -230,7 +230,7 @@ LONG = {"model": "tiny", "prompt": "abc", "max_tokens": 90_000, "ignore_eos": Tr
 @pytest.fixture(scope="module")
 def long_srv():
     """One token per decode call and a 100k-token limit: a request here runs for minutes unless freed."""
-    s = Running(max_num_seqs=2, prefill_chunk=16, steps_per_call=1, buckets=[2], max_model_len=100_000)
+    s = Running(max_num_seqs=2, prefill_chunk=16, steps_per_call=1, decode_buckets="2", max_model_len=100_000)
     yield s
     s.close()
 
@@ -277,7 +277,7 @@ def test_no_compile_after_warmup_from_jax_events(srv):
 
 def test_the_counter_sees_real_compiles():
     """With exact widths every new width compiles while serving: JAX's events and the counter agree."""
-    s = Running(max_num_seqs=3, prefill_chunk=16, steps_per_call=2, buckets="exact")
+    s = Running(max_num_seqs=3, prefill_chunk=16, steps_per_call=2, decode_buckets="exact")
     try:
         COMPILES.clear()
         threads = [threading.Thread(target=s.post, args=({"model": "tiny", "prompt": "ab", "max_tokens": 30},))]
@@ -296,7 +296,7 @@ def test_the_counter_sees_real_compiles():
 
 # ----- 7. authentication ----------------------------------------------------------------------------
 def test_api_key_guards_v1_and_optionally_metrics():
-    s = Running(max_num_seqs=1, prefill_chunk=16, buckets=[1], server_kw={"api_key": "s3cret", "protect_metrics": True})
+    s = Running(max_num_seqs=1, prefill_chunk=16, decode_buckets="1", api_key="s3cret", protect_metrics=True)
     try:
         body = {"model": "tiny", "prompt": "a", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
@@ -369,7 +369,7 @@ def test_chat_stops_at_the_role_marker():
         def decode(self, ids):
             return super().decode(ids).replace(trigger, "<|")
 
-    s = Running(tokenizer=Marking(), max_num_seqs=1, prefill_chunk=16, buckets=[1])
+    s = Running(tokenizer=Marking(), max_num_seqs=1, prefill_chunk=16, decode_buckets="1")
     try:
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 0}
         r = s.post(body, "/v1/chat/completions").json()

@@ -125,6 +125,7 @@ def earlier_results(path: str) -> dict:
 def recall(a: argparse.Namespace, loaded: list) -> None:
 
     from laplace_jax.eval.recall import curves, heatmaps, model_answers, score
+    from laplace_jax.serve.config import ServeConfig
     from laplace_jax.serve.engine import Engine
 
     results = {}
@@ -138,15 +139,12 @@ def recall(a: argparse.Namespace, loaded: list) -> None:
             raise UserError("no sample fits: every (length, N) cell needs more tokens than its length")
 
         def factory(cfg=cfg, params=params, tok=tok, samples=samples) -> Engine:
-            return Engine(
-                cfg,
-                params,
-                eos_id=tok.eos_id,
-                max_num_seqs=8,
+            serve = ServeConfig(
                 prefill_chunk=256,
-                max_model_len=cfg.max_seq_len,
                 max_queue=len(samples),  # offline: every prompt is queued up front
+                prefix_cache_bytes=0,  # every prompt is different
             )
+            return Engine(cfg, params, serve, eos_id=tok.eos_id)
 
         with tqdm(total=len(samples), desc=f"{name} {a.suite}", unit="prompt") as bar:
             res = score(samples, model_answers(factory, tok, on_done=lambda: bar.update(1)))

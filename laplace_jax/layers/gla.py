@@ -11,7 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax.config import ModelConfig
 from laplace_jax.layers.common import GatedRMSNorm, Linear, ShortConv
-from laplace_jax.ops.gla import chunk_gla, context_gla, gla_step, kernel_for, recurrent_gla
+from laplace_jax.ops.gla import context_gla, gla, gla_step
 from laplace_jax.parallel import context_axis
 
 Array = jax.Array
@@ -68,12 +68,10 @@ class GatedLinearAttention(nn.Module):
         if s0 is not None and T == 1:
             o, s = gla_step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], s0)
             o = o[:, None]
-        elif (kernel := kernel_for(cfg.attn_impl)) == "recurrent":
-            o, s = recurrent_gla(q, k, v, gk, initial_state=s0)
         elif (axis := context_axis()) is not None:  # this device holds one slice of each sequence
-            o, s = context_gla(q, k, v, gk, axis=axis, initial_state=s0, chunk_size=cfg.chunk_size, kernel=kernel)
+            o, s = context_gla(q, k, v, gk, axis=axis, initial_state=s0, chunk_size=cfg.chunk_size, impl=cfg.attn_impl)
         else:
-            o, s = chunk_gla(q, k, v, gk, initial_state=s0, chunk_size=cfg.chunk_size, kernel=kernel)
+            o, s = gla(q, k, v, gk, impl=cfg.attn_impl, initial_state=s0, chunk_size=cfg.chunk_size)
         new_state["gla"] = s
 
         # In the decode step the gate meets o as [B*H, dv] rows: the state (and so o) is laid out

@@ -1,11 +1,12 @@
 """The serving engine: the public face of serving (submit, cancel, generate, status) and the
-engine thread that runs ``scheduler.Scheduler.step`` until stopped.
+engine thread, whose every step is ``plan = scheduler.schedule()``, ``out = runner.execute(plan)``,
+``scheduler.update(plan, out)``.
 
-The pieces: ``queue.WaitQueue`` (arrival order, capacity, drain), ``slots.Slots`` (the live
-requests per device, compaction), ``programs.DevicePrograms`` (slot buffers sharded over devices
-and the compiled prefill / insert / decode / move programs), ``prefix_cache.PrefixCache`` and
-``scheduler.Scheduler``, which decides what runs and when. The server talks to ``Engine``'s
-public methods only.
+The pieces: ``scheduler.Scheduler`` decides (``queue.WaitQueue``: arrival order, capacity, drain;
+``slots.Slots``: the live requests per device, compaction; ``prefix_cache.PrefixCache``'s
+bookkeeping), ``runner.Runner`` executes a plan on ``programs.DevicePrograms`` (slot buffers
+sharded over devices and the compiled prefill / insert / decode / move programs). The server
+talks to ``Engine``'s public methods only.
 
 Slots: ``max_num_seqs`` per device on each of D devices. A request goes to the least-loaded
 device (fewest live slots; the lowest index on a tie). One thread runs ``loop()``; requests
@@ -16,9 +17,10 @@ of unbucketed widths).
 
 Fault isolation: a request whose preparation fails alone is ended with an error (see
 ``scheduler``). A failure of the shared device loop (insert, decode, move: they donate the slot
-buffers) ends the requests in the slots, rebuilds the slots, re-warms (from the persistent
-compile cache when one is set) and serves the queue again; more than ``MAX_RESTARTS`` within
-``RESTART_WINDOW_S`` marks the engine dead.
+buffers) ends the requests in the slots and those being admitted; each part resets what it
+owns (the scheduler its slots and cache entries, the runner its buffers and executables), the
+engine re-warms (from the persistent compile cache when one is set) and serves the queue again;
+more than ``MAX_RESTARTS`` within ``RESTART_WINDOW_S`` marks the engine dead.
 """
 
 from __future__ import annotations
@@ -31,20 +33,23 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from laplace_jax.config import ModelConfig
-from laplace_jax.errors import InvalidParamError
+from laplace_jax.errors import InvalidParamError, UserError
 from laplace_jax.layers.attention import ring_size
 from laplace_jax.platform import prng_impl
-from laplace_jax.serve import settings
 from laplace_jax.serve.compiles import CompileCounter
+from laplace_jax.serve.config import ServeConfig
+from laplace_jax.serve.plan import StepPlan
 from laplace_jax.serve.prefix_cache import PrefixCache
 from laplace_jax.serve.programs import DevicePrograms
 from laplace_jax.serve.request import Completion, Request, SamplingParams, check_prompt
-from laplace_jax.serve.scheduler import Scheduler, make_buckets
+from laplace_jax.serve.runner import Runner
+from laplace_jax.serve.scheduler import Scheduler, make_buckets, prefix_cache
 
 if TYPE_CHECKING:  # a type only: eval runs the engine without metrics
     from laplace_jax.serve.metrics import ServeMetrics
 
 MAX_RESTARTS, RESTART_WINDOW_S = 3, 600.0
+DEFAULT = ServeConfig()
 
 
 def check_model_len(cfg: ModelConfig, max_model_len: int) -> None:
@@ -59,6 +64,42 @@ def check_model_len(cfg: ModelConfig, max_model_len: int) -> None:
         )
 
 
+def build(
+    cfg: ModelConfig,
+    params: Any,
+    serve: ServeConfig,
+    devices: list[jax.Device],
+    eos_id: int,
+    metrics: ServeMetrics | None,
+) -> tuple[Runner, Scheduler]:
+    """The runner (the device programs on ``devices``) and the scheduler for ``serve``."""
+    programs = DevicePrograms(
+        cfg, params, devices, serve.max_num_seqs, serve.prefill_chunk, serve.steps_per_call, prng_impl(serve.prng_impl)
+    )
+    buckets = make_buckets(serve.buckets(), serve.max_num_seqs)
+    prefix = prefix_cache(
+        serve.prefix_cache_bytes,
+        serve.prefix_block,
+        serve.prefill_chunk,
+        cfg.chunk_size,
+        programs.state_bytes,
+        len(devices),
+    )
+    scheduler = Scheduler(
+        devices=len(devices),
+        per_device=serve.max_num_seqs,
+        vocab_size=cfg.vocab_size,
+        eos_id=eos_id,
+        buckets=buckets,
+        steps_per_call=serve.steps_per_call,
+        max_queue=serve.max_queue,
+        prng=programs.prng,
+        prefix=prefix,
+        metrics=metrics,
+    )
+    return Runner(programs, compile_on_demand=buckets is None), scheduler
+
+
 class Engine:
     """Serves ``cfg`` with ``params`` from fixed per-sequence states in decode slots."""
 
@@ -66,47 +107,26 @@ class Engine:
         self,
         cfg: ModelConfig,
         params: Any,
+        serve: ServeConfig = DEFAULT,
         *,
         eos_id: int,
-        max_num_seqs: int = settings.MAX_NUM_SEQS,
-        buckets: str | list[int] = "pow2",
-        prefill_chunk: int = settings.PREFILL_CHUNK,
-        steps_per_call: int = settings.STEPS_PER_CALL,
-        max_model_len: int = 2048,
-        max_queue: int = settings.MAX_QUEUE,
         metrics: ServeMetrics | None = None,
         devices: Sequence[jax.Device] | None = None,
-        prng: str = "auto",
-        prefix_cache_bytes: int = 0,
-        prefix_block: int | None = None,
     ):
-        """``max_num_seqs``: decode slots per device; ``devices``: where slots live (default: the
-        first local device; ``serve.py`` passes all of them); ``prng``: the sampling keys'
-        implementation (``platform.prng_impl``: "auto" is rbg on Neuron, threefry2x32 elsewhere).
-        ``prefix_cache_bytes``: the prefix-state cache's budget per device (0: off); ``prefix_block``:
-        its block in ids (default: the lcm of ``cfg.chunk_size`` and ``prefill_chunk``; a multiple
-        of both, so a resumed prompt is cut into the same prefill calls and kernel chunks)."""
+        """``serve``: the engine's settings (``max_num_seqs`` slots per device, buckets, prefill
+        chunk, steps per call, max_model_len, queue, prefix cache, PRNG); ``devices``: where the
+        slots live (default: the first ``serve.devices`` local devices, all when None)."""
+        max_model_len = serve.max_model_len or cfg.max_seq_len
         check_model_len(cfg, max_model_len)
-        self.cfg, self.max_model_len, self.metrics = cfg, max_model_len, metrics
-        self.slots_per_device, self.prefill_chunk = max_num_seqs, prefill_chunk
+        self.cfg, self.serve, self.max_model_len, self.metrics = cfg, serve, max_model_len, metrics
+        self.slots_per_device, self.prefill_chunk = serve.max_num_seqs, serve.prefill_chunk
         self.compiles = CompileCounter(metrics.on_compile if metrics is not None else None)
-        self.devices = list(devices) if devices else jax.local_devices()[:1]
+        local = jax.local_devices()
+        if devices is None and serve.devices is not None and serve.devices > len(local):
+            raise UserError(f"--devices must lie in 1..{len(local)} (the local {local[0].platform} devices)")
+        self.devices = list(devices) if devices else local[: serve.devices or len(local)]
         self.n_devices = len(self.devices)
-        self.scheduler = Scheduler(
-            cfg,
-            params,
-            self.devices,
-            eos_id=eos_id,
-            max_num_seqs=max_num_seqs,
-            buckets=make_buckets(buckets, max_num_seqs),
-            prefill_chunk=prefill_chunk,
-            steps_per_call=steps_per_call,
-            max_queue=max_queue,
-            prng=prng_impl(prng),
-            prefix_cache_bytes=prefix_cache_bytes,
-            prefix_block=prefix_block,
-            metrics=metrics,
-        )
+        self.runner, self.scheduler = build(cfg, params, serve, self.devices, eos_id, metrics)
         self.ready = False
         self.dead: str | None = None
         self.restarts = 0
@@ -121,7 +141,7 @@ class Engine:
 
     @property
     def programs(self) -> DevicePrograms:
-        return self.scheduler.programs
+        return self.runner.programs
 
     @property
     def prefix(self) -> PrefixCache | None:
@@ -134,7 +154,7 @@ class Engine:
     @property
     def state_bytes(self) -> int:
         """Bytes of one sequence's state (what a slot or a prefix-cache entry holds)."""
-        return self.scheduler.programs.state_bytes
+        return self.runner.programs.state_bytes
 
     def status(self) -> tuple[str, str]:
         """("ready" | "warming" | "restarting" | "dead", a sentence saying why)."""
@@ -152,7 +172,7 @@ class Engine:
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting) requests."""
-        return sum(self.occupancy()), len(self.scheduler.queue)
+        return self.scheduler.counts()
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
         """Compile every executable the serving phase can need (all buckets), on the calling thread."""
@@ -172,16 +192,20 @@ class Engine:
         ``SamplingParams`` per member) cannot be served as given."""
         check_prompt(prompt_ids, sps, self.vocab_size, self.max_model_len)
 
+    def check_group(self, size: int) -> None:
+        """Raise ``InvalidParamError`` unless a group of ``size`` members fits one device's slots."""
+        if not 1 <= size <= self.slots_per_device:
+            raise InvalidParamError(
+                "n", f"n and best_of must lie in 1..{self.slots_per_device} (the slots per device); got {size}"
+            )
+
     def submit(self, *group: Request) -> None:
         """Queue a request, or a group that shares one prompt (``n`` / ``best_of``: prefilled once,
         its state copied into one slot per member, all on one device). Raises
         ``InvalidParamError`` or ``QueueFullError``."""
         if not group or any(r.prompt_ids != group[0].prompt_ids for r in group):
             raise ValueError("a group's requests must share one prompt")
-        if len(group) > self.slots_per_device:
-            raise InvalidParamError(
-                "n", f"n and best_of must be at most {self.slots_per_device} (the slots per device); got {len(group)}"
-            )
+        self.check_group(len(group))
         self.check(group[0].prompt_ids, *(r.sampling for r in group))
         self.scheduler.queue.put(list(group))
 
@@ -231,7 +255,7 @@ class Engine:
         self.compiles.claim_thread()
         for r in reqs:
             while self.counts()[1] >= self.scheduler.queue.max_queue:
-                self.scheduler.step()
+                self.step()
             self.submit(r)
         self.run_until_idle()
         for r, out in zip(reqs, outs, strict=True):
@@ -247,8 +271,8 @@ class Engine:
     def run_until_idle(self) -> None:
         """Serve every submitted request to completion on the calling thread (batch jobs, evals)."""
         self.compiles.claim_thread()
-        while self.counts() != (0, 0):
-            self.scheduler.step()
+        while not self.scheduler.idle():
+            self.step()
 
     def serve_forever(
         self, progress: Callable[[str], None] | None = None, on_ready: Callable[[str], None] | None = None
@@ -268,27 +292,45 @@ class Engine:
             on_ready(f"ready: {n} programs compiled in {time.perf_counter() - start:.1f} s")
         self.loop()
 
+    def step(self) -> StepPlan:
+        """One engine step: plan, execute, update; returns the plan. A device-loop failure
+        raises ``DeviceLoopError``."""
+        sched = self.scheduler
+        plan = sched.schedule()
+        if not plan:
+            return plan
+        t0 = time.perf_counter()
+        try:
+            out = self.runner.execute(plan)
+        except Exception as e:
+            raise DeviceLoopError(plan, f"{type(e).__name__}: {e}") from e
+        sched.update(plan, out)
+        if self.metrics is not None:
+            if plan.decode_width is not None:
+                steps = sched.steps_per_call
+                self.metrics.on_decode(plan.decode_width, list(plan.live), time.perf_counter() - t0, steps)
+            self.metrics.on_engine(self.programs.prefilled_tokens, self.prefix)
+        return plan
+
     def loop(self) -> None:
         """The engine thread: serve until ``stop``; recover from device-loop failures (see module doc)."""
         self.compiles.claim_thread()
         while self.scheduler.queue.wait_for_work(self.scheduler.idle):
             try:
-                self.scheduler.step()
-            except Exception as e:  # the shared device loop failed: end the slots' requests, rebuild, re-warm
-                if not self._recover(f"{type(e).__name__}: {e}"):
+                self.step()
+            except DeviceLoopError as e:  # the shared device loop failed: end the slots' requests, rebuild, re-warm
+                if not self._recover(e.reason, e.plan):
                     return
 
-    def _recover(self, reason: str) -> bool:
-        """Rebuild the slots and re-warm after a device-loop failure; False if the engine gave up."""
+    def _recover(self, reason: str, plan: StepPlan) -> bool:
+        """Reset the scheduler and the runner and re-warm after a device-loop failure; False if
+        the engine gave up."""
         now = time.perf_counter()
         self._restart_times.append(now)
         while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
             self._restart_times.popleft()
-        message = f"the engine's device loop failed ({reason}); the request was ended and the engine restarted"
         sched = self.scheduler
-        for r in [*sched.slots.clear(), *sched.admitting]:
-            r.fail(message)
-        sched.admitting = []
+        sched.reset(f"the engine's device loop failed ({reason}); the request was ended and the engine restarted", plan)
         if len(self._restart_times) > MAX_RESTARTS:
             self.dead = f"{reason} ({len(self._restart_times)} device-loop failures within {RESTART_WINDOW_S:.0f} s)"
             sched.end_all("error", f"engine failed: {self.dead}")
@@ -297,11 +339,8 @@ class Engine:
         self.restarts += 1
         if self.metrics is not None:
             self.metrics.restarts.inc()
-        if self.prefix is not None:
-            self.prefix.clear()
         try:
-            self.programs.executables.clear()
-            self.programs.slots = self.programs.new_slots()
+            self.runner.reset()
             self.warmup()
         except Exception as e:
             self.dead = f"restart after {reason} failed: {type(e).__name__}: {e}"
@@ -309,3 +348,11 @@ class Engine:
             return False
         self.restarting = None
         return True
+
+
+class DeviceLoopError(Exception):
+    """The device loop failed while running ``plan`` (``reason``: the error)."""
+
+    def __init__(self, plan: StepPlan, reason: str):
+        super().__init__(reason)
+        self.plan, self.reason = plan, reason

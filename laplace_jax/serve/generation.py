@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 
 from laplace_jax.errors import InvalidParamError, QueueFullError
 from laplace_jax.serve import protocol as pr
@@ -29,18 +30,8 @@ from laplace_jax.serve.protocol import ApiError
 from laplace_jax.serve.request import Request as EngineRequest
 from laplace_jax.serve.request import SamplingParams
 
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
 DISCONNECT_POLL_S = 0.05  # how often a waiting request checks that its client is still there
 FINISH = {"shutdown": "length", "abort": "stop"}  # engine reasons -> OpenAI's finish_reason
-
-
-def _stop_strings(stop: str | list[str] | None) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > MAX_STOP_STRINGS:
-        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings", "stop")
-    if any(not 1 <= len(x) <= MAX_STOP_CHARS for x in stops):
-        raise ApiError(400, f"each stop string must have 1 to {MAX_STOP_CHARS} characters", "stop")
-    return stops
 
 
 @dataclasses.dataclass
@@ -57,47 +48,17 @@ class _Seq:
 
 
 class Generation:
-    """Runs completions and chat requests on ``engine``: ``sampling`` turns a body into
-    ``SamplingParams`` (``defaults`` fill what it leaves out) and ``respond`` serves it."""
+    """Runs completions and chat requests on ``engine``: ``respond`` serves a request's
+    ``SamplingParams`` (``defaults`` fill what a request leaves out: ``to_sampling_params``)."""
 
     def __init__(self, engine: Engine, tokenizer: Any, model_name: str, defaults: SamplingParams | None = None):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.defaults = defaults or SamplingParams()
         self.metrics: ServeMetrics = engine.metrics
 
-    def sampling(self, body: pr._Common, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None):
-        d = self.defaults
-        top_k = d.top_k if body.top_k is None else body.top_k
-        try:
-            bias = {int(k): float(v) for k, v in (body.logit_bias or {}).items()}
-        except ValueError:
-            raise ApiError(400, "logit_bias keys must be token ids", "logit_bias") from None
-        return SamplingParams(
-            max_tokens=d.max_tokens if max_tokens is None else max_tokens,
-            temperature=d.temperature if body.temperature is None else body.temperature,
-            top_p=d.top_p if body.top_p is None else body.top_p,
-            top_k=0 if top_k == -1 else top_k,  # vLLM's -1 means off, like 0
-            min_p=body.min_p,
-            seed=body.seed,
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-            ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
-            logit_bias=bias,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            return_tokens_as_token_ids=body.return_tokens_as_token_ids,
-        )
-
     def _groups(self, prompts, sp: SamplingParams, per_prompt: int, rank: bool, emit) -> list[list[EngineRequest]]:
         """One group of ``per_prompt`` sequences per prompt; member j samples with seed + j;
         ``rank``: keep each sequence's cumulative logprob (best_of)."""
-        try:
-            sp.check(self.engine.vocab_size)  # before seeds are derived from it
-        except InvalidParamError as e:
-            raise ApiError(400, str(e), e.param) from e
         groups = []
         for p, ids in enumerate(prompts):
             group = []
@@ -185,17 +146,19 @@ class Generation:
             self.engine.cancel(*reqs)  # client gone or request over: the engine frees the slots next call
             watcher.cancel()
 
-    def _usage(self, prompts: list[list[int]], seqs: list[_Seq]) -> dict:
+    def _usage(self, prompts: list[list[int]], seqs: list[_Seq]) -> pr.Usage:
         p, c = sum(len(x) for x in prompts), sum(len(s.tokens) for s in seqs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return pr.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
-    def _choice(self, s: _Seq, index: int, chat: bool, echo: bool, logprobs: int | None) -> dict:
+    def _choice(
+        self, s: _Seq, index: int, chat: bool, echo: bool, logprobs: int | None
+    ) -> pr.ChatChoice | pr.CompletionChoice:
         r = s.req
         gen, as_ids = r.logprobs[: len(s.tokens)], r.sampling.return_tokens_as_token_ids
         if chat:
             lp = pr.chat_logprobs(self.tok, s.tokens, gen, as_ids) if logprobs is not None else None
-            message = {"role": "assistant", "content": s.out}
-            return {"index": index, "message": message, "logprobs": lp, "finish_reason": s.finish}
+            message = pr.AssistantMessage(role="assistant", content=s.out)
+            return pr.ChatChoice(index=index, message=message, logprobs=lp, finish_reason=s.finish)
         prefix = self.tok.decode(r.prompt_ids) if echo else ""
         lp = None
         if logprobs is not None:
@@ -203,9 +166,9 @@ class Generation:
             if echo:
                 ids, entries = r.prompt_ids + s.tokens, r.prompt_logprobs + gen
             lp = pr.completion_logprobs(self.tok, ids, entries, 0 if echo else len(prefix), as_ids)
-        return {"index": index, "text": prefix + s.out, "logprobs": lp, "finish_reason": s.finish}
+        return pr.CompletionChoice(index=index, text=prefix + s.out, logprobs=lp, finish_reason=s.finish)
 
-    async def _complete(self, request, prompts, sp, n, best_of, stops, include_stop, chat, echo):
+    async def _complete(self, request, prompts, sp, n, best_of, stops, include_stop, chat, echo, request_id):
         """A whole (non-streamed) response; with best_of > n, each prompt's n likeliest sequences."""
         seqs: dict[int, _Seq] = {}
         async for s, _, _ in self._run(request, prompts, sp, best_of, stops, include_stop, best_of > n):
@@ -219,18 +182,23 @@ class Generation:
             if best_of > n:
                 mine = sorted(mine, key=lambda s: -s.req.cumulative_logprob)[:n]
             choices += [self._choice(s, p * n + j, chat, echo, sp.logprobs) for j, s in enumerate(mine)]
-        kind = "chat.completion" if chat else "text_completion"
-        return JSONResponse({**self._head(kind), "choices": choices, "usage": self._usage(prompts, ordered)})
+        kind = pr.ChatCompletion if chat else pr.Completion
+        whole = kind(**self._head(kind, request_id), choices=choices, usage=self._usage(prompts, ordered))
+        return JSONResponse(whole.model_dump(exclude_unset=True))
 
-    def _head(self, kind: str) -> dict:
-        rid = ("chatcmpl-" if kind.startswith("chat") else "cmpl-") + uuid.uuid4().hex[:24]
-        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
+    def _head(self, kind: type[BaseModel], request_id: str | None) -> dict:
+        """The fields every response and chunk of ``kind`` opens with (its ``object`` set, so a
+        dump without unset fields keeps it); the id from the client's ``request_id`` (vLLM's)."""
+        rid = ("chatcmpl-" if kind is not pr.Completion else "cmpl-") + (request_id or uuid.uuid4().hex[:24])
+        obj = kind.model_fields["object"].default
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
 
-    async def _stream(self, request, prompts, sp, n, stops, include_stop, chat, echo, usage: str | None):
+    async def _stream(self, request, prompts, sp, n, stops, include_stop, chat, echo, usage: str | None, request_id):
         """Server-sent events: a chunk per step and sequence (index = prompt * n + choice).
         ``usage``: None, "last" (a final chunk with the usage) or "every" (also in each chunk, so
         far: vLLM's ``continuous_usage_stats``)."""
-        head = self._head("chat.completion.chunk" if chat else "text_completion")
+        kind = pr.ChatCompletionChunk if chat else pr.Completion
+        head = self._head(kind, request_id)
         run = self._run(request, prompts, sp, n, stops, include_stop)
         try:
             first = await anext(run)  # raises ApiError (400/429/500) before any response is sent
@@ -242,21 +210,21 @@ class Generation:
             seqs[id(s)] = s
             started = len(s.tokens) - len(tokens)
             entries = s.req.logprobs[started : len(s.tokens)]
+            index = s.prompt * n + s.ordinal
+            as_ids = sp.return_tokens_as_token_ids
             if chat:
-                d = {"content": delta} | ({"role": "assistant"} if started == 0 else {})
-                as_ids = sp.return_tokens_as_token_ids
+                d = pr.ChatDelta(content=delta, role="assistant") if started == 0 else pr.ChatDelta(content=delta)
                 lp = pr.chat_logprobs(self.tok, tokens, entries, as_ids) if sp.logprobs is not None else None
-                choice = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": s.finish}
+                choice = pr.ChatChunkChoice(index=index, delta=d, logprobs=lp, finish_reason=s.finish)
             else:
                 if echo and started == 0:
                     delta = self.tok.decode(s.req.prompt_ids) + delta
                 lp = None
                 if sp.logprobs is not None:
-                    lp = pr.completion_logprobs(self.tok, tokens, entries, len(s.out), sp.return_tokens_as_token_ids)
-                choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": s.finish}
-            choice["index"] = s.prompt * n + s.ordinal
+                    lp = pr.completion_logprobs(self.tok, tokens, entries, len(s.out), as_ids)
+                choice = pr.CompletionChoice(index=index, text=delta, logprobs=lp, finish_reason=s.finish)
             so_far = {"usage": self._usage(prompts, list(seqs.values()))} if usage == "every" else {}
-            return f"data: {json.dumps({**head, 'choices': [choice], **so_far})}\n\n"
+            return f"data: {kind(**head, choices=[choice], **so_far).model_dump_json(exclude_unset=True)}\n\n"
 
         async def events():
             yield chunk(*first)
@@ -268,8 +236,8 @@ class Generation:
                 yield f"data: {json.dumps(pr.envelope(e.status, e.message, e.param, e.type))}\n\n"
             else:
                 if usage is not None:
-                    total = self._usage(prompts, list(seqs.values()))
-                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': total})}\n\n"
+                    last = kind(**head, choices=[], usage=self._usage(prompts, list(seqs.values())))
+                    yield f"data: {last.model_dump_json(exclude_unset=True)}\n\n"
             yield "data: [DONE]\n\n"
 
         async def guarded():
@@ -281,17 +249,19 @@ class Generation:
 
         return StreamingResponse(guarded(), media_type="text/event-stream")
 
-    async def respond(self, request, body, prompts, sp: SamplingParams, best_of: int, chat: bool, echo: bool):
-        slots = self.engine.slots_per_device
-        if not 1 <= body.n <= best_of <= slots:
-            param = "best_of" if getattr(body, "best_of", None) is not None and 1 <= body.n <= best_of else "n"
-            raise ApiError(
-                400, f"need 1 <= n <= best_of <= {slots} (slots per device); got n={body.n}, best_of={best_of}", param
-            )
-        stops = _stop_strings(body.stop) + ([pr.CHAT_STOP] if chat else [])
+    async def respond(self, request, body, prompts, sp: SamplingParams, per_prompt: int, chat: bool, echo: bool):
+        """Serve ``prompts`` with ``per_prompt`` sequences each (``best_of`` or ``n``; the slots per
+        device bound it, the engine's check)."""
+        try:
+            self.engine.check_group(per_prompt)
+        except InvalidParamError as e:
+            raise ApiError(400, str(e), e.param) from e
+        stops = body.stops() + ([pr.CHAT_STOP] if chat else [])
         include = body.include_stop_str_in_output
         if body.stream:
             opts = body.stream_options
             usage = None if not (opts and opts.include_usage) else "every" if opts.continuous_usage_stats else "last"
-            return await self._stream(request, prompts, sp, body.n, stops, include, chat, echo, usage)
-        return await self._complete(request, prompts, sp, body.n, best_of, stops, include, chat, echo)
+            return await self._stream(request, prompts, sp, body.n, stops, include, chat, echo, usage, body.request_id)
+        return await self._complete(
+            request, prompts, sp, body.n, per_prompt, stops, include, chat, echo, body.request_id
+        )

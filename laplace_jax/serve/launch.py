@@ -21,7 +21,6 @@ import httpx
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from laplace_jax.serve import settings
 from laplace_jax.serve.routes import Server
 
 
@@ -66,35 +65,27 @@ class _Uvicorn(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def make_uvicorn(
-    server: Server,
-    host: str,
-    port: int,
-    log_level: str = "warning",
-    *,
-    header_timeout: float = settings.HEADER_TIMEOUT_S,
-    keep_alive: float = settings.KEEP_ALIVE_S,
-    max_connections: int = settings.MAX_CONNECTIONS,
-) -> uvicorn.Server:
+def make_uvicorn(server: Server, host: str, port: int, log_level: str = "warning") -> uvicorn.Server:
+    """uvicorn for ``server`` with the connection limits of ``server.engine.serve``."""
+    cfg = server.engine.serve
     config = uvicorn.Config(
         server.app,
         host=host,
         port=port,
         log_level=log_level,
-        http=guarded_h11(header_timeout, max_connections),
-        timeout_keep_alive=math.ceil(keep_alive),
+        http=guarded_h11(cfg.header_timeout, cfg.max_connections),
+        timeout_keep_alive=math.ceil(cfg.keep_alive),
         timeout_graceful_shutdown=math.ceil(server.drain_timeout),
     )
     return _Uvicorn(config, server.begin_shutdown)
 
 
 class BackgroundServer:
-    """Run a ``Server`` with uvicorn in a thread on a loopback port (notebooks, benchmarks, tests);
-    ``uvicorn_kw`` go to ``make_uvicorn``."""
+    """Run a ``Server`` with uvicorn in a thread on a loopback port (notebooks, benchmarks, tests)."""
 
-    def __init__(self, server: Server, port: int, host: str = "127.0.0.1", ready_timeout: float = 600.0, **uvicorn_kw):
+    def __init__(self, server: Server, port: int, host: str = "127.0.0.1", ready_timeout: float = 600.0):
         self.server, self.url = server, f"http://{host}:{port}"
-        self.uv = make_uvicorn(server, host, port, log_level="error", **uvicorn_kw)
+        self.uv = make_uvicorn(server, host, port, log_level="error")
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         t0 = time.perf_counter()
         self.thread.start()

@@ -38,7 +38,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -163,25 +162,21 @@ class PrefixCache:
             self._seen.popitem(last=False)
         return keep
 
-    def plan(self, prompts: dict[int, list[int]]) -> tuple[dict[int, tuple[int, Any]], Callable]:
+    def plan(self, prompts: dict[int, list[int]]) -> tuple[dict[int, tuple[int, Any]], dict[int, dict[int, bytes]]]:
         """For a prefill of ``prompts`` ({device: ids}): each prompt's longest cached prefix
-        ({device: (ids restored, state)}), and the prefill's ``on_block(device, ids done, state)``
-        callback that keeps the block states ``blocks_to_keep`` picks (only for rows whose numbers
-        are those of a full prefill: no resume, or a resume from a block entry)."""
-        starts, digests, keep = {}, {}, {}
+        ({device: (ids restored, state)}), and the block states to keep ({device: {ids done:
+        block digest}}, as ``blocks_to_keep`` picks; only for rows whose numbers are those of a
+        full prefill: no resume, or a resume from a block entry)."""
+        starts, keep = {}, {}
         for d, ids in prompts.items():
             arr = np.asarray(ids, np.int32)
-            digests[d] = block_digests(arr, self.block, len(arr) // self.block)
-            hit = self.lookup(arr, digests[d], d)
-            keep[d] = self.blocks_to_keep(digests[d]) if hit is None or hit.exact else set()
+            digests = block_digests(arr, self.block, len(arr) // self.block)
+            hit = self.lookup(arr, digests, d)
+            kept = self.blocks_to_keep(digests) if hit is None or hit.exact else set()
+            keep[d] = {n * self.block: digests[n - 1] for n in kept}
             if hit is not None:
                 starts[d] = (hit.length, hit.state)
-
-        def on_block(d: int, n: int, state: Any) -> None:
-            if n // self.block in keep[d]:
-                self.put_block(digests[d][n // self.block - 1], n, d, state)
-
-        return starts, on_block
+        return starts, keep
 
     def put_block(self, digest: bytes, length: int, device: int, state: Any) -> None:
         """Hold the prefill's ``state`` after ``length`` ids (a multiple of ``block``) whose last

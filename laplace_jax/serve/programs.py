@@ -10,7 +10,7 @@ row already lives on its device).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -44,8 +44,9 @@ class DevicePrograms:
         slots_per_device: int,
         prefill_chunk: int,
         steps_per_call: int,
-        prng: str = "threefry2x32",
+        prng: str,
     ):
+        """``prng``: the sampling keys' implementation, resolved (``platform.prng_impl``)."""
         self.cfg, self.prng = cfg, prng
         self.D, self.S = len(devices), slots_per_device  # devices, slots per device
         self.prefill_chunk, self.steps_per_call = prefill_chunk, steps_per_call
@@ -95,17 +96,16 @@ class DevicePrograms:
         prompts: dict[int, list[int]],
         score: bool = False,
         starts: dict[int, tuple[int, Any]] | None = None,
-        on_block: Callable[[int, int, Any], None] | None = None,
-        block: int = 0,
+        keep: dict[int, Collection[int]] | None = None,
     ):
         """Prefill prompt ``prompts[d]`` on device d (others idle): (states [D], last logits [D, V],
-        scores). With ``score``: scores[d] is the prompt's ``TokenLogprob`` list (None for its first
-        token, which nothing predicts); else scores is None.
+        scores, blocks). With ``score``: scores[d] is the prompt's ``TokenLogprob`` list (None for
+        its first token, which nothing predicts); else scores is None.
 
         ``starts[d] = (n, state)``: row d resumes from ``state`` (one sequence's state, on any
         device), the state after its first n ids, and prefills the rest (not with ``score``).
-        ``on_block(d, n, state)`` is called with row d's state (on device d) each time a full
-        prefill call ends at a multiple n of ``block`` ids."""
+        ``blocks``: (d, n, row d's state on device d) for each n in ``keep[d]`` at which a full
+        prefill call of row d ends."""
         D, P_ = self.D, self.prefill_chunk
         starts = starts or {}
         if score and starts:
@@ -116,6 +116,7 @@ class DevicePrograms:
         longest = max(len(ids) - offset[d] for d, ids in prompts.items())
         ex = self.executables[("score" if score else "prefill", D)]
         scores: dict[int, list] | None = {d: [None] for d in prompts} if score else None
+        keep, blocks = keep or {}, []
         for start in range(0, longest, P_):
             chunk = np.zeros((D, P_), np.int32)
             nxt = np.zeros((D, P_), np.int32)
@@ -135,12 +136,11 @@ class DevicePrograms:
                 for d, ids in prompts.items():  # position j scores token j + 1 of the prompt
                     n = max(0, min(P_, len(ids) - 1 - start))
                     scores[d].extend((lp[d][j], top_ids[d][j], top_lp[d][j]) for j in range(n))
-            if on_block is not None:
-                for d in prompts:
-                    end = offset[d] + start + P_
-                    if lengths[d] == P_ and end % block == 0:
-                        on_block(d, end, self.row_state(state, d))
-        return state, logits, scores
+            for d in prompts:
+                end = offset[d] + start + P_
+                if lengths[d] == P_ and end in keep.get(d, ()):
+                    blocks.append((d, end, self.row_state(state, d)))
+        return state, logits, scores, blocks
 
     def row_state(self, state_D, d: int):
         """Device d's row of a state whose leaves are [D, ..]: one sequence's state on device d (no copy)."""

@@ -1,8 +1,12 @@
 """The OpenAI / vLLM wire format: request schemas, the chat template, and the response pieces
 (logprobs in the completions and the chat shapes, the error envelope and ``ApiError``).
 
-Schemas check types and forbid unknown fields (400 naming the field); value ranges are checked
-in one place, ``SamplingParams.check`` / ``Engine.check``.
+Request schemas check types and ranges (field constraints, so ``/openapi.json`` states them) and
+forbid unknown fields (400 naming the field); ``to_sampling_params`` turns a request into the
+engine's ``SamplingParams``, and what depends on the served model (token ids against the
+vocabulary, lengths against max_model_len, n against the slots) is the engine's own check at its
+boundary (``Engine.submit``). Responses are typed too: ``Completion``, ``ChatCompletion`` and
+their stream chunks.
 
 Chat template (documented, simple): each message becomes "<|{role}|>\\n{content}\\n", followed
 by "<|assistant|>\\n"; generation stops at the tokenizer's EOS or at "<|". The ``developer`` role
@@ -12,14 +16,25 @@ so no message can forge a role marker.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from laplace_jax.data.tokenizer import Tokenizer
-from laplace_jax.serve.request import TokenLogprob
+from laplace_jax.sampling import TOP_LOGPROBS
+from laplace_jax.serve.request import (
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_STOP_IDS,
+    MAX_TEMPERATURE,
+    SamplingParams,
+    TokenLogprob,
+)
 
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
 ROLE_MARK, ESCAPED_MARK = "<|", "<\\|"
 CHAT_STOP = ROLE_MARK
 CHAT_TEMPLATE_JINJA = (  # the same template for clients that render it themselves (/tokenizer_info)
@@ -32,6 +47,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _range(default, lo=None, hi=None, *, lo_open=False):
+    """A field in [lo, hi] (lo_open: (lo, hi]); floats must be finite."""
+    bounds = {"gt" if lo_open else "ge": lo} if lo is not None else {}
+    if hi is not None:
+        bounds["le"] = hi
+    return Field(default, **bounds)
+
+
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False  # a last chunk with the request's usage
     continuous_usage_stats: bool = False  # with include_usage: every chunk carries the usage so far (vLLM)
@@ -39,34 +66,83 @@ class StreamOptions(_Strict):
 
 class _Common(_Strict):
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float = 0.0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = _range(None, 0)
+    temperature: Finite | None = _range(None, 0.0, MAX_TEMPERATURE)
+    top_p: Finite | None = _range(None, 0.0, 1.0, lo_open=True)
+    top_k: int | None = _range(None, -1)  # -1 (vLLM) or 0: off; the top end is the model's
+    min_p: Finite = _range(0.0, 0.0, 1.0)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_IDS - 1)] | None = None
     include_stop_str_in_output: bool = False
-    seed: int | None = None
+    seed: int | None = _range(None, 0, MAX_SEED)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = _range(1, 1)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
+    min_tokens: int = _range(0, 0)
+    presence_penalty: Finite = _range(0.0, -MAX_PENALTY, MAX_PENALTY)
+    frequency_penalty: Finite = _range(0.0, -MAX_PENALTY, MAX_PENALTY)
+    repetition_penalty: Finite = _range(1.0, 0.0, MAX_REPETITION_PENALTY, lo_open=True)
+    logit_bias: dict[str, Annotated[Finite, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool = False
+    request_id: str | None = Field(None, max_length=128)  # vLLM: the response's id is built from it
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids; got {key!r}")
+        return bias
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def _sampling(self, defaults: SamplingParams, max_tokens: int | None, **kw) -> SamplingParams:
+        d = self.top_k if self.top_k is not None else defaults.top_k
+        return SamplingParams(
+            max_tokens=defaults.max_tokens if max_tokens is None else max_tokens,
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            top_k=0 if d == -1 else d,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            return_tokens_as_token_ids=self.return_tokens_as_token_ids,
+            **kw,
+        )
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = _range(None, 0, TOP_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = _range(None, 1)
     suffix: str | None = None
+
+    def candidates(self) -> int:
+        """Sequences per prompt: ``best_of`` (ranked, the likeliest ``n`` returned) or ``n``."""
+        return self.n if self.best_of is None else self.best_of
+
+    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        """The engine's sampling parameters (``defaults`` fill what the request leaves out); raises
+        ``ApiError`` for field combinations this server does not serve."""
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported (no fill-in-the-middle training)", "suffix")
+        if self.n > self.candidates():
+            raise ApiError(400, f"need n <= best_of; got n={self.n}, best_of={self.best_of}", "n")
+        if self.stream and self.candidates() > self.n:
+            raise ApiError(400, "best_of > n cannot be streamed", "best_of")
+        scored = self.echo and (self.logprobs is not None or self.max_tokens == 0)
+        prompt_lp = (self.logprobs or 0) if scored else None  # the prompt is scored only to echo it
+        return self._sampling(defaults, self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_lp)
 
 
 class TextPart(_Strict):
@@ -89,8 +165,118 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _range(None, 0, TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
+
+    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        """The engine's sampling parameters (``defaults`` fill what the request leaves out); raises
+        ``ApiError`` for field combinations this server does not serve."""
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ApiError(400, "response_format: only 'text' is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        sp = self._sampling(defaults, limit, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+        if sp.max_tokens < 1:
+            raise ApiError(400, f"max_completion_tokens must be >= 1; got {sp.max_tokens}", "max_completion_tokens")
+        return sp
+
+
+# ----- responses -------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """Per token: its text, logprob (None: unscored, the prompt's first token), most likely
+    alternatives (with the chosen one) and character offset."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    """A /v1/completions response; streamed, each chunk has this shape (one choice, the text so
+    far's delta) and ``usage`` only where ``stream_options`` asks for it."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    """A /v1/chat/completions response (not streamed)."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None  # in a sequence's first chunk only
+    content: str
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion; the last (with ``include_usage``)
+    has no choices and the usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -159,7 +345,7 @@ def token_text(tok: Tokenizer, token_id: int, as_id: bool = False) -> str:
 
 def completion_logprobs(
     tok: Tokenizer, ids: list[int], entries: list[TokenLogprob | None], offset: int, as_ids: bool = False
-) -> dict:
+) -> CompletionLogprobs:
     """The completions ``logprobs`` object for ``ids`` and their scores (None: unscored, the
     prompt's first token). ``top_logprobs`` holds the requested most likely tokens plus the chosen
     one (vLLM's convention); tokens whose text coincides keep the likelier entry. ``text_offset``
@@ -178,24 +364,26 @@ def completion_logprobs(
             d.setdefault(token_text(tok, i, as_ids), lp)
         d.setdefault(text, e[0])
         top.append(d)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [None if e is None else e[0] for e in entries],
-        "top_logprobs": top,
-        "text_offset": offsets,
-    }
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[None if e is None else e[0] for e in entries],
+        top_logprobs=top,
+        text_offset=offsets,
+    )
 
 
-def chat_logprobs(tok: Tokenizer, ids: list[int], entries: list[TokenLogprob], as_ids: bool = False) -> dict:
+def chat_logprobs(tok: Tokenizer, ids: list[int], entries: list[TokenLogprob], as_ids: bool = False) -> ChatLogprobs:
     """The chat ``logprobs`` object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
 
     def item(token_id: int, lp: float) -> dict:
         text = token_text(tok, token_id, as_ids)
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
-    return {
-        "content": [
-            {**item(t, e[0]), "top_logprobs": [item(i, lp) for i, lp in zip(e[1], e[2], strict=True)]}
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                **item(t, e[0]), top_logprobs=[TopLogprob(**item(i, lp)) for i, lp in zip(*e[1:], strict=True)]
+            )
             for t, e in zip(ids, entries, strict=True)
         ]
-    }
+    )

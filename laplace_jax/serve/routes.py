@@ -30,7 +30,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from laplace_jax.errors import UserError
 from laplace_jax.profiling import Trace
 from laplace_jax.serve import protocol as pr
-from laplace_jax.serve import settings
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.generation import Generation
 from laplace_jax.serve.metrics import ServeMetrics
@@ -39,6 +38,7 @@ from laplace_jax.serve.protocol import ApiError
 from laplace_jax.serve.request import SamplingParams
 
 MAX_PROMPTS = 64  # prompts in one completions request
+TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's names of union members in an error's loc
 
 
 def _parse(raw: bytes, model: type[pydantic.BaseModel]) -> Any:
@@ -52,16 +52,22 @@ def _parse(raw: bytes, model: type[pydantic.BaseModel]) -> Any:
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(x) for x in err.get("loc", [])) or None
+        errors = e.errors()
+        # a union field (stop: a string or a list of them) fails once per member: report the member
+        # whose type matched, whose error says what is wrong with the value
+        err = next((x for x in errors if not x.get("type", "").endswith("_type")), errors[0])
+        loc = tuple(x for x in err.get("loc", ()) if not (isinstance(x, str) and ("[" in x or "-" in x or x in TAGS)))
         if err.get("type") == "extra_forbidden":
-            raise ApiError(400, _unknown(param, err.get("loc", ()), model), param) from None
-        raise ApiError(400, f"{param or 'body'}: {err.get('msg', 'invalid value')}", param) from None
+            param = ".".join(str(x) for x in loc) or None
+            raise ApiError(400, _unknown(param, loc, model), param) from None
+        where = ".".join(str(x) for x in loc) or "body"
+        message = err.get("msg", "invalid value").removeprefix("Value error, ")
+        raise ApiError(400, f"{where}: {message}", str(loc[0]) if loc else None) from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply") from None
 
 
-UNSUPPORTED = {  # OpenAI fields a client may send that this server does not implement
+UNSUPPORTED = {  # fields OpenAI or vLLM clients send that this server does not implement, and why
     "tools": "tool calling",
     "tool_choice": "tool calling",
     "functions": "function calling",
@@ -69,6 +75,42 @@ UNSUPPORTED = {  # OpenAI fields a client may send that this server does not imp
     "parallel_tool_calls": "tool calling",
     "audio": "audio output",
     "modalities": "audio output",
+    "use_beam_search": "beam search (n, best_of and seeds sample instead)",
+    "length_penalty": "beam search",
+    "early_stopping": "beam search",
+    "guided_json": "guided (structured) decoding",
+    "guided_regex": "guided (structured) decoding",
+    "guided_choice": "guided (structured) decoding",
+    "guided_grammar": "guided (structured) decoding",
+    "guided_decoding_backend": "guided (structured) decoding",
+    "guided_whitespace_pattern": "guided (structured) decoding",
+    "structured_outputs": "guided (structured) decoding",
+    "allowed_token_ids": "token allow-lists (logit_bias of -100 excludes a token)",
+    "bad_words": "bad-word lists (logit_bias of -100 excludes a token)",
+    "logits_processors": "custom logits processors",
+    "truncate_prompt_tokens": "prompt truncation (a prompt past max_model_len is refused whole)",
+    "skip_special_tokens": "detokenizer options (special tokens are never emitted: EOS ends a sequence)",
+    "spaces_between_special_tokens": "detokenizer options (special tokens are never emitted)",
+    "priority": "request priorities (requests are admitted in arrival order)",
+    "cache_salt": "prefix-cache salts (the prefix cache is per server)",
+    "kv_transfer_params": "disaggregated prefill (there is no KV cache: a sequence's state is fixed-size)",
+    "vllm_xargs": "vLLM's extension arguments",
+    "mm_processor_kwargs": "multimodal input",
+    "chat_template": "custom chat templates (the template is fixed: /tokenizer_info shows it)",
+    "chat_template_kwargs": "custom chat templates",
+    "continue_final_message": "continuing the last message (every prompt ends with the assistant marker)",
+    "add_generation_prompt": "chat prompts without the assistant marker",
+    "documents": "retrieval documents",
+    "reasoning_effort": "reasoning models",
+    "include_reasoning": "reasoning models",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
+    "service_tier": "service tiers",
+    "store": "stored completions",
+    "metadata": "stored completions",
+    "prompt_logprobs": "vLLM's prompt_logprobs (send echo with logprobs: OpenAI's form of the same scores)",
+    "add_special_tokens": "special-token insertion (a prompt is tokenized as it is)",
+    "echo": "echo in chat (the completions route echoes)",
 }
 
 
@@ -85,40 +127,29 @@ def _unknown(param: str | None, loc: tuple, model: type[pydantic.BaseModel]) -> 
 class Server:
     """Holds the engine, tokenizer and metrics; ``app`` is the ASGI application.
 
-    ``api_key``: required as ``Authorization: Bearer KEY`` on /v1/*, /tokenize, /detokenize and
-    the profile routes (and /metrics with ``protect_metrics``). ``on_ready``: called with one line
-    when warmup ends (serve.py prints it). ``profile_dir``: POST /start_profile and /stop_profile
-    (vLLM's routes) bracket a ``jax.profiler`` trace written there. ``drain_timeout``: the whole
-    shutdown sequence, from the signal to the last byte, takes at most this long
-    (``begin_shutdown``).
+    From ``engine.serve``: ``api_key``, required as ``Authorization: Bearer KEY`` on /v1/*,
+    /tokenize, /detokenize and the profile routes (and /metrics with ``protect_metrics``);
+    ``profile_dir``: POST /start_profile and /stop_profile (vLLM's routes) bracket a
+    ``jax.profiler`` trace written there; ``drain_timeout``: the whole shutdown sequence, from the
+    signal to the last byte, takes at most this long (``begin_shutdown``). ``log``: called with
+    one line when warmup ends (serve.py prints it).
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        tokenizer: Any,
-        model_name: str,
-        defaults: SamplingParams | None = None,
-        *,
-        api_key: str | None = None,
-        protect_metrics: bool = False,
-        max_body_bytes: int = settings.MAX_BODY_BYTES,
-        body_timeout: float = settings.BODY_TIMEOUT_S,
-        drain_timeout: float = settings.DRAIN_TIMEOUT_S,
-        profile_dir: str | None = None,
-        log: Callable[[str], None] | None = None,
-    ):
+    def __init__(self, engine: Engine, tokenizer: Any, model_name: str, log: Callable[[str], None] | None = None):
+        """The HTTP settings (auth, limits, drain, profiling, sampling defaults) are ``engine.serve``'s."""
+        cfg = engine.serve
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
-        self.trace = None if profile_dir is None else Trace(profile_dir)
+        self.trace = None if cfg.profile_dir is None else Trace(cfg.profile_dir)
         self.log = log
+        defaults = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
         self.gen = Generation(engine, tokenizer, model_name, defaults)
         self.metrics: ServeMetrics = engine.metrics
-        self.drain_timeout = drain_timeout
+        self.drain_timeout = cfg.drain_timeout
         self.warm_progress = "starting"
         self.created = int(time.time())
         progress = lambda msg: setattr(self, "warm_progress", msg)  # noqa: E731
         self.thread = threading.Thread(target=engine.serve_forever, args=(progress, log), name="engine", daemon=True)
-        self.app = Boundary(self._build(), api_key, protect_metrics, max_body_bytes, body_timeout)
+        self.app = Boundary(self._build(), cfg.api_key, cfg.protect_metrics, cfg.max_body_bytes, cfg.body_timeout)
 
     def begin_shutdown(self) -> None:
         """Stop admitting; requests still running near the end of ``drain_timeout`` finish with "length"."""
@@ -177,6 +208,15 @@ class Server:
         self._add_tokenizer_routes(app)
         self._add_generation_routes(app)
         self._add_profile_routes(app)
+        build_spec = app.openapi
+
+        def spec() -> dict:  # the stream chunk's schema too (no route returns it as JSON)
+            out = build_spec()
+            chunk = pr.ChatCompletionChunk.model_json_schema(ref_template="#/components/schemas/{model}")
+            out["components"]["schemas"].update({**chunk.pop("$defs", {}), "ChatCompletionChunk": chunk})
+            return out
+
+        app.openapi = spec
         return app
 
     def _reply(self, exc: ApiError):
@@ -300,32 +340,20 @@ class Server:
             return {"prompt": self.tok.decode(body.tokens)}
 
     def _add_generation_routes(self, app: FastAPI) -> None:
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", response_model=pr.Completion)
         async def completions(request: Request):
             body: pr.CompletionRequest = await self._body(request, pr.CompletionRequest)
             self._check_model(body.model)
-            if body.suffix:
-                raise ApiError(400, "suffix is not supported (no fill-in-the-middle training)", "suffix")
-            best_of = body.n if body.best_of is None else body.best_of
-            if body.stream and best_of > body.n:
-                raise ApiError(400, "best_of > n cannot be streamed", "best_of")
+            sp = body.to_sampling_params(self.gen.defaults)
             prompts = await asyncio.to_thread(self._prompts, body.prompt)
-            scored = body.echo and (body.logprobs is not None or body.max_tokens == 0)
-            prompt_lp = (body.logprobs or 0) if scored else None  # the prompt is scored only to echo it
-            sp = self.gen.sampling(body, body.max_tokens, body.logprobs, prompt_lp)
-            return await self.gen.respond(request, body, prompts, sp, best_of, chat=False, echo=body.echo)
+            return await self.gen.respond(request, body, prompts, sp, body.candidates(), chat=False, echo=body.echo)
 
-        @app.post("/v1/chat/completions")
+        streamed = {"text/event-stream": {"schema": {"$ref": "#/components/schemas/ChatCompletionChunk"}}}
+
+        @app.post("/v1/chat/completions", response_model=pr.ChatCompletion, responses={200: {"content": streamed}})
         async def chat(request: Request):
             body: pr.ChatRequest = await self._body(request, pr.ChatRequest)
             self._check_model(body.model)
-            if body.response_format is not None and body.response_format.type != "text":
-                raise ApiError(400, "response_format: only 'text' is supported", "response_format")
-            if body.top_logprobs is not None and not body.logprobs:
-                raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-            limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            sp = body.to_sampling_params(self.gen.defaults)
             ids = await asyncio.to_thread(self._encode, pr.chat_prompt(body.messages), "messages")
-            sp = self.gen.sampling(body, limit, (body.top_logprobs or 0) if body.logprobs else None, None)
-            if sp.max_tokens < 1:
-                raise ApiError(400, f"max_completion_tokens must be >= 1; got {sp.max_tokens}", "max_completion_tokens")
             return await self.gen.respond(request, body, [ids], sp, body.n, chat=True, echo=False)

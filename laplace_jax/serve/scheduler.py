@@ -1,28 +1,31 @@
-"""One step of the serving engine: admit waiting groups into free slots (prefill, insert), then
-one decode call over every live slot.
+"""The serving engine's decisions, apart from executing them: ``Scheduler.schedule()`` returns a
+``StepPlan`` (``plan.py``), a runner executes it on the device programs (``runner.py``) and
+``Scheduler.update(plan, outputs)`` closes the step. Everything here is host logic: it runs, and
+is unit-tested, without a model or a compile.
 
-Admission prefills up to one new group per device in one call, the least-loaded devices first.
-A group shares one prompt: it is prefilled once and its state copied into one slot per member.
-When preparing requests (prefill, sampling rows) fails, each group is retried alone and only a
-group that fails alone is ended with an error. With a prefix-state cache (``prefix_cache.py``),
-a prompt resumes from its longest cached prefix and prefills only the rest; the prefill leaves
-block entries and a request that finishes ("stop" or "length") leaves its final state. Prompts
-that ask for prompt logprobs are scored in full (every position is needed).
+Each plan first runs the slot operations the previous update left (snapshots of finished slots
+for the prefix cache, then compaction moves), then admits or decodes. Admission prefills up to
+one waiting group per device in one call, the least-loaded devices first, while any fits; a group
+shares one prompt: it is prefilled once and its state copied into one slot per member. Otherwise,
+one decode call serves every live slot at the smallest bucket that fits. When a joint prefill
+fails, each of its groups is retried alone and only a group that fails alone is ended with an
+error. With a prefix-state cache (``prefix_cache.py``), a prompt resumes from its longest cached
+prefix and prefills only the rest; the prefill leaves block entries and a request that finishes
+("stop" or "length") leaves its final state. Prompts that ask for prompt logprobs are scored in
+full (every position is needed).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import jax
 import numpy as np
 
-from laplace_jax.config import ModelConfig
+from laplace_jax.serve.plan import Admission, Move, Snapshot, StepOutput, StepPlan
 from laplace_jax.serve.prefix_cache import ENTRY_OVERHEAD_BYTES, PrefixCache
-from laplace_jax.serve.programs import DevicePrograms
 from laplace_jax.serve.queue import WaitQueue
 from laplace_jax.serve.request import MAX_SEED, Request, row_params, stop_ids
 from laplace_jax.serve.slots import Slots, accept, read_if
@@ -68,163 +71,163 @@ def prefix_cache(budget: int, block: int | None, prefill_chunk: int, kernel_chun
 
 
 class Scheduler:
-    """The host side of serving ``cfg`` on ``devices``: the queue, the slots, the compiled
-    programs and the prefix cache, and ``step()``, which the engine thread calls."""
+    """The host side of serving on ``devices`` devices with ``per_device`` slots each: the wait
+    queue, the slots and the prefix cache's bookkeeping, and the plan of every step."""
 
     def __init__(
         self,
-        cfg: ModelConfig,
-        params: Any,
-        devices: Sequence[jax.Device],
         *,
+        devices: int,
+        per_device: int,
+        vocab_size: int,
         eos_id: int,
-        max_num_seqs: int,
         buckets: list[int] | None,
-        prefill_chunk: int,
         steps_per_call: int,
         max_queue: int,
         prng: str,
-        prefix_cache_bytes: int,
-        prefix_block: int | None,
-        metrics: ServeMetrics | None,
+        prefix: PrefixCache | None,
+        metrics: ServeMetrics | None = None,
     ):
-        self.cfg, self.eos_id, self.prng_impl, self.metrics = cfg, eos_id, prng, metrics
-        self.buckets, self.steps_per_call = buckets, steps_per_call
-        self.programs = DevicePrograms(cfg, params, devices, max_num_seqs, prefill_chunk, steps_per_call, prng)
-        self.prefix = prefix_cache(
-            prefix_cache_bytes, prefix_block, prefill_chunk, cfg.chunk_size, self.programs.state_bytes, len(devices)
-        )
+        self.vocab_size, self.eos_id, self.prng, self.metrics = vocab_size, eos_id, prng, metrics
+        self.buckets, self.steps_per_call, self.prefix = buckets, steps_per_call, prefix
         self.queue = WaitQueue(max_queue)
-        self.slots = Slots(len(devices), max_num_seqs, self.programs)
-        self.admitting: list[Request] = []  # being prefilled: a device-loop failure ends them too
+        self.slots = Slots(devices, per_device)
+        self._slot_ops: list[Snapshot | Move] = []  # left by the last update, run first by the next plan
+        self._retry: collections.deque[dict[int, list[Request]]] = collections.deque()  # groups to prefill alone
         self._seeds = np.random.default_rng()
 
     def bucket_for(self, n: int) -> int:
         return n if self.buckets is None else next(w for w in self.buckets if w >= n)
 
     def idle(self) -> bool:
-        return not any(self.slots.rows) and not len(self.queue)
+        return not any(self.slots.rows) and not len(self.queue) and not self._retry and not self._slot_ops
 
-    def step(self) -> None:
-        """Admit, end cancelled requests, decode once; at the drain deadline end everything."""
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return sum(self.slots.occupancy()), len(self.queue) + sum(len(g) for p in self._retry for g in p.values())
+
+    # ----- deciding -----------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """The next step: the pending slot operations, then an admission if a waiting group fits,
+        else a decode of every live slot. At the drain deadline everything ends ("shutdown")."""
         if time.perf_counter() >= self.queue.deadline:
             self.end_all("shutdown")
-            return
-        self.admit()
-        self.slots.reap_cancelled()
-        if any(self.slots.rows):
-            self.decode_once()
-        if self.metrics is not None:
-            self.metrics.on_engine(self.programs.prefilled_tokens, self.prefix)
+            return StepPlan()
+        self._slot_ops += [Move(m) for m in self.slots.free(self.slots.cancelled())]
+        ops, self._slot_ops = tuple(self._slot_ops), []
+        if self._retry:
+            placed = self._retry.popleft()
+        else:
+            placed = self.queue.take(self.slots.free_devices(), self.slots.per_device)
+        if placed:
+            return StepPlan(ops, admission=self._admission(placed))
+        live = self.slots.occupancy()
+        if any(live):
+            return StepPlan(ops, decode_width=self.bucket_for(max(live)), live=tuple(live))
+        return StepPlan(ops)
 
+    def _admission(self, placed: dict[int, list[Request]]) -> Admission:
+        """Prefill the placed groups' prompts (from their longest cached prefixes) and give each
+        member that generates a slot after the device's live ones, with its sampling row."""
+        now = time.perf_counter()
+        for r in (r for g in placed.values() for r in g):
+            r.started_at = now
+            r.stops = frozenset(stop_ids(r.sampling, self.eos_id))
+        score = any(r.sampling.prompt_logprobs is not None for g in placed.values() for r in g)
+        prompts = {d: g[0].prompt_ids for d, g in placed.items()}
+        starts, keep = self.prefix.plan(prompts) if self.prefix is not None and not score else ({}, {})
+        members = {d: [r for r in g if r.sampling.max_tokens > 0] for d, g in placed.items()}
+        inserts = []
+        for k in range(max(len(m) for m in members.values())):  # member k of every group, one insert
+            where = {}
+            for d, m in members.items():
+                if k < len(m):
+                    seed = m[k].sampling.seed
+                    if seed is None:
+                        seed = int(self._seeds.integers(0, MAX_SEED, endpoint=True))
+                    row = row_params(m[k], self.vocab_size, self.eos_id, seed, self.prng)
+                    where[d] = (len(self.slots.rows[d]) + k, row)
+            inserts.append(where)
+        return Admission(placed, score, starts, keep, inserts)
+
+    # ----- closing a step -----------------------------------------------------------------
+    def update(self, plan: StepPlan, out: StepOutput) -> None:
+        """Hand a step's outputs to their requests and plan the slot operations they need."""
+        snapshots = [op for op in plan.slot_ops if isinstance(op, Snapshot)]
+        for op, states in zip(snapshots, out.snapshots, strict=True):
+            for d, state in states.items():
+                self.prefix.put_end(op.ids[d], d, state)
+        if plan.admission is not None:
+            self._admitted(plan.admission, out)
+        if out.decoded is not None:
+            self._decoded(*out.decoded)
+
+    def _admitted(self, adm: Admission, out: StepOutput) -> None:
+        if out.prefill_error is not None:
+            if len(adm.groups) == 1:
+                for r in adm.requests():
+                    r.fail(f"this request failed during prefill: {out.prefill_error}")
+            else:  # isolate the failing group(s): each is prefilled alone, ahead of the queue
+                self._retry.extend({d: g} for d, g in adm.groups.items())
+            return
+        for d, n, state in out.blocks:
+            self.prefix.put_block(adm.keep[d][n], n, d, state)
+        for d, group in adm.groups.items():
+            for r in group:
+                k = r.sampling.prompt_logprobs
+                if k is not None:
+                    r.prompt_logprobs = [e and (e[0], e[1][:k], e[2][:k]) for e in out.scores[d]]
+            for r in group:
+                if r.sampling.max_tokens == 0:  # the prompt's scores are all it asked for
+                    r.send([], "length")
+        members = {d: [r for r in g if r.sampling.max_tokens > 0] for d, g in adm.groups.items()}
+        finished: dict[int, list[int]] = {}
+        for k, (first, lps) in enumerate(out.first):
+            ranked = {d: m[k] for d, m in members.items() if k < len(m)}
+            lp, top_ids, top_lp = read_if(lps, ranked.values())
+            now = time.perf_counter()
+            for d, req in ranked.items():
+                tok = int(first[d])
+                req.first_token_at = now
+                if self.metrics is not None:
+                    self.metrics.on_first_token(req)
+                reason = accept(req, tok, lp is not None and (float(lp[d]), top_ids[d], top_lp[d]))
+                req.send([] if reason == "stop" else [tok], reason)
+                self.slots.rows[d].append(req)  # the slot the plan gave it
+                if reason is not None:
+                    finished.setdefault(d, []).append(len(self.slots.rows[d]) - 1)
+        self._slot_ops += [Move(m) for m in self.slots.free(finished)]
+
+    def _decoded(self, toks: np.ndarray, valid: np.ndarray, lps: tuple) -> None:
+        done, ended = self.slots.collect(toks, valid, lps, self.steps_per_call)
+        if ended and self.prefix is not None:  # their final states, before compaction moves them
+            while ended:
+                now = {d: items.pop() for d, items in ended.items()}
+                ended = {d: items for d, items in ended.items() if items}
+                ids = {d: np.asarray(r.prompt_ids + r.sampled[:-1], np.int32) for d, (_, r) in now.items()}
+                self._slot_ops.append(Snapshot({d: i for d, (i, _) in now.items()}, ids))
+        if done:
+            self._slot_ops += [Move(m) for m in self.slots.free(done)]
+
+    # ----- ending ---------------------------------------------------------------------------
     def end_all(self, reason: str, message: str | None = None) -> None:
         """End every waiting and live request with ``reason`` ("error": fail with ``message``)."""
-        waiting = self.queue.pop_all()
+        waiting = [r for p in self._retry for g in p.values() for r in g] + self.queue.pop_all()
+        self._retry.clear()
+        self._slot_ops = []
         for r in [*self.slots.clear(), *waiting]:
             if reason == "error":
                 r.fail(message or "the engine failed")
             else:
                 r.send([], reason)
 
-    def admit(self) -> None:
-        """Move waiting groups into free slots until none fits: prefill, then one insert per member rank."""
-        while placed := self.queue.take(self.slots.free_devices(), self.slots.per_device):
-            now = time.perf_counter()
-            for group in placed.values():
-                for req in group:
-                    req.started_at = now
-            self.admitting = [r for g in placed.values() for r in g]
-            prepared = self._prepare(dict(placed))
-            if prepared is None:
-                self.admitting = []
-                continue
-            state, logits = prepared
-            for group in placed.values():  # max_tokens 0: the prompt's scores are all it asked for
-                for r in [r for r in group if r.sampling.max_tokens == 0]:
-                    group.remove(r)
-                    r.send([], "length")
-            for k in range(max(len(g) for g in placed.values())):  # member k of every group, one insert
-                members = {d: g[k] for d, g in placed.items() if k < len(g)}
-                if members:
-                    self._insert(state, logits, members)
-            self.admitting = []
-
-    def _prepare(self, placed: dict[int, list[Request]]) -> tuple[Any, Any] | None:
-        """Prefill each placed group's prompt once (all devices together); on failure retry each
-        alone and end only those that fail alone. Returns (states, logits) or None if none is left."""
-        try:
-            score = any(r.sampling.prompt_logprobs is not None for g in placed.values() for r in g)
-            prompts = {d: g[0].prompt_ids for d, g in placed.items()}
-            starts, on_block = self.prefix.plan(prompts) if self.prefix is not None and not score else ({}, None)
-            block = self.prefix.block if self.prefix is not None else 0
-            state, logits, scores = self.programs.prefill_rows(prompts, score, starts, on_block, block)
-            for d, group in placed.items():
-                for r in group:
-                    r.stops = frozenset(stop_ids(r.sampling, self.eos_id))
-                    k = r.sampling.prompt_logprobs
-                    if k is not None:
-                        r.prompt_logprobs = [e and (e[0], e[1][:k], e[2][:k]) for e in scores[d]]
-        except Exception as e:
-            if len(placed) == 1:
-                for req in next(iter(placed.values())):
-                    req.fail(f"this request failed during prefill: {type(e).__name__}: {e}")
-                return None
-            for d, group in list(placed.items()):  # isolate the failing group(s)
-                if self._prepare({d: group}) is None:
-                    del placed[d]
-            return self._prepare(placed) if placed else None
-        return state, logits
-
-    def _insert(self, state: Any, logits: Any, members: dict[int, Request]) -> None:
-        """Copy the prefilled state into a new slot per device for ``members``; emit first tokens."""
-        where = {}
-        for d, r in members.items():
-            seed = r.sampling.seed
-            if seed is None:
-                seed = int(self._seeds.integers(0, MAX_SEED, endpoint=True))
-            where[d] = (len(self.slots.rows[d]), row_params(r, self.cfg.vocab_size, self.eos_id, seed, self.prng_impl))
-        first, lps = self.programs.insert(state, logits, where)  # failures go to the engine's recovery
-        lp, top_ids, top_lp = read_if(lps, members.values())
-        now = time.perf_counter()
-        for d, req in members.items():
-            tok = int(first[d])
-            req.first_token_at = now
-            if self.metrics is not None:
-                self.metrics.on_first_token(req)
-            finished = accept(req, tok, lp is not None and (float(lp[d]), top_ids[d], top_lp[d]))
-            req.send([] if finished == "stop" else [tok], finished)
-            if finished is None:  # else its slot stays past the live ones, to be overwritten
-                self.slots.rows[d].append(req)
-
-    def ensure_decode(self, width: int) -> None:
-        """decode[width] must exist after warmup; only ``buckets="exact"`` compiles new widths here."""
-        if self.programs.get("decode", width) is not None:
-            return
-        if self.buckets is not None:
-            raise RuntimeError(f"no compiled decode[{width}] after warmup")  # never recompile silently
-        self.programs.compile(*self.programs.decode_program(width))
-
-    def decode_once(self) -> None:
-        """One decode call (``steps_per_call`` tokens per live slot) at the smallest bucket that fits."""
-        live = self.slots.occupancy()
-        W = self.bucket_for(max(live))
-        t0 = time.perf_counter()
-        self.ensure_decode(W)
-        toks, valid, lps = self.programs.decode(W)
-        done, ended = self.slots.collect(toks, valid, lps, self.steps_per_call)
-        if self.metrics is not None:
-            self.metrics.on_decode(W, live, time.perf_counter() - t0, self.steps_per_call)
-        if ended and self.prefix is not None:
-            self._keep_ends(ended)
-        if done:
-            self.slots.free(done)
-
-    def _keep_ends(self, ended: dict[int, list[tuple[int, Request]]]) -> None:
-        """Cache the final states of requests that finished in slots ``ended[d]`` (before
-        compaction moves them), keyed by the prompt and the generated ids fed back."""
-        while ended:
-            now = {d: items.pop() for d, items in ended.items()}
-            ended = {d: items for d, items in ended.items() if items}
-            states = self.programs.snapshot({d: i for d, (i, _) in now.items()})
-            for d, (_, req) in now.items():
-                self.prefix.put_end(np.asarray(req.prompt_ids + req.sampled[:-1], np.int32), d, states[d])
+    def reset(self, message: str, plan: StepPlan | None) -> None:
+        """After a device-loop failure (the slot buffers are rebuilt): fail the live requests and
+        those ``plan`` was admitting; forget pending slot operations and the prefix cache's
+        entries. Waiting requests stay queued."""
+        admitting = plan.admission.requests() if plan is not None and plan.admission is not None else []
+        for r in [*self.slots.clear(), *admitting]:
+            r.fail(message)
+        self._slot_ops = []
+        if self.prefix is not None:
+            self.prefix.clear()

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from laplace_jax.serve.programs import DevicePrograms
 from laplace_jax.serve.request import Request
 
 
@@ -44,10 +43,11 @@ def accept(req: Request, token: int, scored: Any) -> str | None:
 
 
 class Slots:
-    """``per_device`` decode slots on each of ``n_devices`` devices; ``programs`` moves slot states."""
+    """``per_device`` decode slots on each of ``n_devices`` devices: which request is in which
+    slot (host bookkeeping; the runner moves the slot states as ``free`` plans)."""
 
-    def __init__(self, n_devices: int, per_device: int, programs: DevicePrograms):
-        self.per_device, self.programs = per_device, programs
+    def __init__(self, n_devices: int, per_device: int):
+        self.per_device = per_device
         self.rows: list[list[Request]] = [[] for _ in range(n_devices)]
 
     def occupancy(self) -> list[int]:
@@ -93,24 +93,27 @@ class Slots:
                     ended.setdefault(d, []).append((i, req))
         return done, ended
 
-    def free(self, idx: dict[int, list[int]]) -> None:
-        """Drop the given slots per device, moving each device's last live slot into a hole."""
+    def free(self, idx: dict[int, list[int]]) -> list[dict[int, tuple[int, int]]]:
+        """Drop the given slots per device, moving each device's last live slot into a hole.
+        Returns the moves to run in order, one (src, dst) per device per call."""
+        per_device: dict[int, list[tuple[int, int]]] = {}
         for d, slots in idx.items():
             rows = self.rows[d]
             for i in sorted(slots, reverse=True):
                 last = len(rows) - 1
                 if i != last:
-                    self.programs.move({d: (last, i)})
+                    per_device.setdefault(d, []).append((last, i))
                     rows[i] = rows[last]
                 rows.pop()
+        rounds = max((len(m) for m in per_device.values()), default=0)
+        return [{d: m[k] for d, m in per_device.items() if k < len(m)} for k in range(rounds)]
 
-    def reap_cancelled(self) -> None:
-        """End cancelled requests with "abort" and free their slots."""
+    def cancelled(self) -> dict[int, list[int]]:
+        """End cancelled requests with "abort"; their slots per device (to ``free``)."""
         gone: dict[int, list[int]] = {}
         for d, rows in enumerate(self.rows):
             for i, r in enumerate(rows):
                 if r.cancelled:
                     r.send([], "abort")
                     gone.setdefault(d, []).append(i)
-        if gone:
-            self.free(gone)
+        return gone

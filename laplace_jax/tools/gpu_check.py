@@ -5,7 +5,7 @@
     python -m laplace_jax.tools.gpu_check --shape 3b --arch 90 --sweep       # + every num_warps x num_stages
     python -m laplace_jax.tools.gpu_check --shape 3b --arch 90 --blocks      # + key x value tilings
 
-1. Lower the forward and the gradient of ``chunk_gla(..., kernel="pallas", interpret=False)``
+1. Lower the forward and the gradient of ``gla(..., impl="pallas", interpret=False)``
    for cuda (``lower(lowering_platforms=("cuda",))``: Pallas' Triton lowering runs in Python),
    capturing each Triton module, its grid and its ``num_warps``/``num_stages``.
 2. Compile each module with the ``triton`` package for every ``--arch`` (sm_90, sm_80) in a
@@ -59,7 +59,7 @@ def capture(shape: tuple[int, ...], blocks: tuple[int, int] | None = None) -> li
     except ImportError as e:
         raise UnsupportedError(f"jax {jax.__version__} has no Pallas Triton lowering module ({e})") from e
 
-    from laplace_jax.ops.gla import chunk_gla
+    from laplace_jax.ops.gla import gla
     from laplace_jax.ops.gla.pallas import pallas_gla
 
     B, T, H, K, V = shape
@@ -68,7 +68,7 @@ def capture(shape: tuple[int, ...], blocks: tuple[int, int] | None = None) -> li
 
     def fwd(q, k, v, g):
         if blocks is None:
-            return chunk_gla(q, k, v, g, kernel="pallas", interpret=False)[0]
+            return gla(q, k, v, g, impl="pallas", interpret=False)[0]
         s0 = jnp.zeros((B, H, K, V), jnp.float32)
         return pallas_gla(q, k, v, g, s0, scale=K**-0.5, block_k=blocks[0], block_v=blocks[1])[0]
 

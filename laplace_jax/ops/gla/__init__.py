@@ -19,11 +19,23 @@ operands, fp32 accumulation). Outputs take the dtype of ``v``.
 
 from __future__ import annotations
 
-from laplace_jax.ops.gla.chunk import KERNELS, chunk_gla
+from laplace_jax.ops.gla.chunk import chunk_gla
 from laplace_jax.ops.gla.context import context_gla
-from laplace_jax.ops.gla.dispatch import kernel_for
+from laplace_jax.ops.gla.dispatch import gla, resolve
+from laplace_jax.ops.gla.limits import IMPLS
 from laplace_jax.ops.gla.naive import naive_gla
+from laplace_jax.ops.gla.pallas import pallas_gla
 from laplace_jax.ops.gla.recurrent import recurrent_gla
 from laplace_jax.ops.gla.step import gla_step
 
-__all__ = ["KERNELS", "chunk_gla", "context_gla", "gla_step", "kernel_for", "naive_gla", "recurrent_gla"]
+__all__ = [
+    "IMPLS",
+    "chunk_gla",
+    "context_gla",
+    "gla",
+    "gla_step",
+    "naive_gla",
+    "pallas_gla",
+    "recurrent_gla",
+    "resolve",
+]

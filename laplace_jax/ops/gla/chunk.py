@@ -65,10 +65,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from laplace_jax.config import SUB_BLOCK, pallas_chunk_ok
 from laplace_jax.ops.gla.inputs import check_inputs
 from laplace_jax.ops.gla.levels import LAYOUTS, dot, level_matrices, scores, scores_bwd, sums
-from laplace_jax.ops.gla.pallas import pallas_gla, pallas_interpret
+from laplace_jax.ops.gla.limits import chunk_size_problem
 
 Array = jax.Array
 
@@ -188,9 +187,6 @@ def _vjp_bwd(scale, C, layout, res, cot):
 chunk_gla_padded.defvjp(_vjp_fwd, _vjp_bwd)
 
 
-KERNELS = ("xla", "pallas")  # the XLA kernel below, or the Pallas one (ops/gla/pallas.py)
-
-
 def chunk_gla(
     q: Array,
     k: Array,
@@ -200,41 +196,26 @@ def chunk_gla(
     scale: float | None = None,
     initial_state: Array | None = None,
     chunk_size: int = 128,
-    kernel: str = "xla",
-    interpret: bool | None = None,
     layout: str = "auto",
 ) -> tuple[Array, Array]:
     """Chunkwise-parallel GLA. Returns (o [B, T, H, V], final_state [B, H, K, V] fp32).
 
     Any T >= 1: the tail is padded with state-neutral positions (q = k = v = 0, g = 0).
-    ``chunk_size``: for the XLA kernel a multiple of 16 or one of 1, 2, 4, 8; for the Pallas kernel a
-    power of two >= 16.
-    ``kernel``: "xla" (the kernel above: a loop over chunks, any backend) or "pallas" (``ops/gla/pallas.py``: a
-    Triton-lowered GPU kernel). ``interpret`` runs the Pallas kernel in the Pallas interpreter;
-    None means "on CPU only". Both kernels have the same numerics contract and gradients.
+    ``chunk_size``: a multiple of 16 or one of 1, 2, 4, 8. This is the "chunk" kernel of
+    ``dispatch.gla``, which also runs the Pallas and the recurrent ones.
     ``layout``: the XLA kernel's intra-chunk layout (``levels.py``): "full" (full-width matmuls per
     level, for systolic arrays), "blocks" (per-level blocks, least work), or "auto", which picks
     per compiler when the program is traced ("full" on TPU and Neuron, "blocks" elsewhere).
     """
     check_inputs(q, k, v, g, initial_state)
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
     if layout not in ("auto", *LAYOUTS):
         raise ValueError(f"layout must be one of auto, {', '.join(LAYOUTS)}; got {layout!r}")
-    if kernel == "pallas" and not pallas_chunk_ok(chunk_size):
-        raise ValueError(f"the Pallas kernel needs chunk_size a power of two, at least {SUB_BLOCK}; got {chunk_size}")
-    if chunk_size <= 0 or (chunk_size % SUB_BLOCK and SUB_BLOCK % chunk_size):
-        raise ValueError(
-            f"chunk_size must be a positive multiple of {SUB_BLOCK} (the XLA kernel also takes 1, 2, 4, 8); "
-            f"got {chunk_size}"
-        )
+    if (problem := chunk_size_problem("chunk", chunk_size)) is not None:
+        raise ValueError(problem)
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else float(scale)
     s0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state
-    if kernel == "pallas":
-        interpret = pallas_interpret() if interpret is None else interpret
-        return pallas_gla(q, k, v, g, s0, scale=scale, chunk_size=chunk_size, interpret=interpret)
     pad = (-T) % chunk_size
     if pad:  # state-neutral tail: q = k = v = 0, g = 0
         q, k, v, g = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, g))

@@ -9,7 +9,7 @@ inclusive cumulative log-decay from the start of slice p to token t (a direct su
 
     o_t = o_t^local + s (q_t * e^{b_t})^T S_in(p),
 
-where o^local is the slice run from a zero state (``chunk_gla``, either kernel). What slice p
+where o^local is the slice run from a zero state (``dispatch.gla``, any kernel). What slice p
 needs from the slices before it is S_in(p), and that is a sum over them: with S_j the final state
 slice j reaches from a zero state and G_j = sum of g over slice j (per key channel, <= 0),
 
@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax.ops.gla.chunk import chunk_gla
+from laplace_jax.ops.gla.dispatch import gla
 from laplace_jax.ops.gla.levels import HIGHEST, dot, level_matrices, sums
 
 Array = jax.Array
@@ -82,13 +82,13 @@ def context_gla(
     scale: float | None = None,
     initial_state: Array | None = None,
     chunk_size: int = 128,
-    kernel: str = "xla",
+    impl: str = "chunk",
 ) -> tuple[Array, Array]:
     """GLA over a sequence split along mesh axis ``axis``: (o [B, T/P, H, V] of this slice, the
     whole sequence's final state [B, H, K, V] fp32, the same on every device of ``axis``).
 
     ``initial_state``: the state before slice 0 (the same on every device), or zeros. ``chunk_size``
-    and ``kernel`` go to ``chunk_gla`` for each slice; T/P must be a multiple of ``chunk_size``."""
+    and ``impl`` go to ``dispatch.gla`` for each slice; T/P must be a multiple of ``chunk_size``."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if T % chunk_size:
@@ -96,7 +96,7 @@ def context_gla(
     scale = K**-0.5 if scale is None else float(scale)
     P = jax.lax.axis_size(axis)
     p = jax.lax.axis_index(axis)
-    o, s_local = chunk_gla(q, k, v, g, scale=scale, chunk_size=chunk_size, kernel=kernel)
+    o, s_local = gla(q, k, v, g, impl=impl, scale=scale, chunk_size=chunk_size)
     g32 = g.astype(f32)
     G = jnp.sum(g32, axis=1)  # [B, H, K]: the slice's total log-decay
     with jax.named_scope("context_states"):  # the name ``hlo_stats.source_of`` files it under

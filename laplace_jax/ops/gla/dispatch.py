@@ -1,15 +1,56 @@
-"""Which GLA kernel a model's ``attn_impl`` runs on this backend: the one place that maps the
-config's names ("chunk", "pallas", "recurrent", "auto") to the ops' (``chunk_gla``'s "xla" and
-"pallas" kernels, or ``recurrent_gla``)."""
+"""The one place a GLA kernel is chosen. The ops use the config's names: ``model.attn_impl`` is
+"chunk" (``chunk_gla``, the XLA chunk kernel: every backend), "pallas" (``pallas_gla``: a
+Triton-lowered GPU kernel, interpreted on CPU), "recurrent" (``recurrent_gla``, the token scan) or
+"auto" ("pallas" on GPU, "chunk" elsewhere)."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
+from laplace_jax.ops.gla.chunk import chunk_gla
+from laplace_jax.ops.gla.inputs import check_inputs
+from laplace_jax.ops.gla.limits import IMPLS
+from laplace_jax.ops.gla.pallas import pallas_gla, pallas_interpret
+from laplace_jax.ops.gla.recurrent import recurrent_gla
 from laplace_jax.platform import on_gpu
 
+Array = jax.Array
 
-def kernel_for(attn_impl: str) -> str:
-    """ "recurrent", "xla" or "pallas" for a ``model.attn_impl``; "auto" is "pallas" on GPU and
-    "xla" elsewhere."""
-    if attn_impl == "auto":
-        attn_impl = "pallas" if on_gpu() else "chunk"
-    return {"chunk": "xla", "pallas": "pallas", "recurrent": "recurrent"}[attn_impl]
+
+def resolve(impl: str) -> str:
+    """ "chunk", "pallas" or "recurrent" for a ``model.attn_impl`` on this backend."""
+    if impl not in IMPLS:
+        raise ValueError(f"the GLA kernel must be one of {', '.join(IMPLS)}; got {impl!r}")
+    if impl == "auto":
+        return "pallas" if on_gpu() else "chunk"
+    return impl
+
+
+def gla(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    *,
+    impl: str = "chunk",
+    scale: float | None = None,
+    initial_state: Array | None = None,
+    chunk_size: int = 128,
+    interpret: bool | None = None,
+) -> tuple[Array, Array]:
+    """GLA over a sequence with kernel ``impl``: (o [B, T, H, V], final state [B, H, K, V] fp32).
+    Every kernel has the same numerics contract and gradients. ``chunk_size``: the chunk and
+    Pallas kernels' chunk (``limits.chunk_size_problem``); ``interpret`` runs the Pallas kernel
+    in the Pallas interpreter (None: on CPU only)."""
+    impl = resolve(impl)
+    if impl == "recurrent":
+        return recurrent_gla(q, k, v, g, scale=scale, initial_state=initial_state)
+    if impl == "chunk":
+        return chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
+    check_inputs(q, k, v, g, initial_state)
+    B, _, H, K = q.shape
+    s0 = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32) if initial_state is None else initial_state
+    interpret = pallas_interpret() if interpret is None else interpret
+    scale = K**-0.5 if scale is None else float(scale)
+    return pallas_gla(q, k, v, g, s0, scale=scale, chunk_size=chunk_size, interpret=interpret)

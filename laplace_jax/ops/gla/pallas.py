@@ -57,8 +57,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from laplace_jax.config import pallas_chunk_ok
 from laplace_jax.ops.gla import pallas_blocks as blk
+from laplace_jax.ops.gla.limits import chunk_size_problem
 from laplace_jax.ops.gla.pallas_blocks import SUB, Tiling, f32, key_tiles, last_row, load, mm, value_tiles
 from laplace_jax.ops.gla.sums import excl_cumsum, rev_excl_cumsum
 from laplace_jax.platform import on_gpu
@@ -425,8 +425,8 @@ def pallas_gla(
     and V to a multiple of the value tile (each a power of two >= 16, at most ``block_k`` /
     ``block_v``), all state-neutrally (zero q, k, v and log-decay).
     """
-    if not pallas_chunk_ok(chunk_size):
-        raise ValueError(f"the Pallas kernel needs chunk_size a power of two, at least {SUB}; got {chunk_size}")
+    if (problem := chunk_size_problem("pallas", chunk_size)) is not None:
+        raise ValueError(problem)
     T, K, V = q.shape[1], q.shape[3], v.shape[3]
     BK, BV = min(_next_pow2(block_k), _next_pow2(K)), min(_next_pow2(block_v), _next_pow2(V))
     Kp, Vp = -(-K // BK) * BK, -(-V // BV) * BV

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from laplace_jax.config import SUB_BLOCK
+from laplace_jax.ops.gla.limits import SUB_BLOCK
 
 Array = jax.Array
 

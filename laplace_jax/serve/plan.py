@@ -1,0 +1,83 @@
+"""What one engine step does, as data: the scheduler's ``StepPlan``, the runner's ``StepOutput``.
+
+A step runs its ``slot_ops`` (snapshots of finished slots for the prefix cache, then compaction
+moves, in order), then either an ``Admission`` (one prefill of up to one group per device, then
+one insert per member rank) or one decode call at ``decode_width``. Device states appear here only
+as opaque handles (a prefix-cache entry's state, a snapshot): the scheduler never looks inside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from laplace_jax.serve.request import Request
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """Copy out local slot ``slots[d]``'s model state on each device d; ``ids[d]``: what that
+    state is the state after (the prompt and the generated ids fed back), its prefix-cache key."""
+
+    slots: dict[int, int]
+    ids: dict[int, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """Per device d, copy local slot ``moves[d][0]`` into ``moves[d][1]`` (compaction)."""
+
+    moves: dict[int, tuple[int, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """Prefill ``groups[d][0]``'s prompt on device d (all devices in one call), then copy the
+    state into one slot per member: ``inserts[k][d] = (slot, sampling row)`` for member rank k.
+
+    ``starts[d] = (ids restored, state)``: row d resumes from a prefix-cache entry. ``keep[d]``:
+    {ids done: block digest} of the block states to keep (the prefix cache's block entries).
+    ``score``: score every prompt position (prompt logprobs; never resumed)."""
+
+    groups: dict[int, list[Request]]
+    score: bool
+    starts: dict[int, tuple[int, Any]]
+    keep: dict[int, dict[int, bytes]]
+    inserts: list[dict[int, tuple[int, dict[str, np.ndarray]]]]
+
+    def requests(self) -> list[Request]:
+        return [r for g in self.groups.values() for r in g]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One step: ``slot_ops`` in order, then ``admission`` or a decode at ``decode_width``
+    (``live``: the live slots per device it serves)."""
+
+    slot_ops: tuple[Snapshot | Move, ...] = ()
+    admission: Admission | None = None
+    decode_width: int | None = None
+    live: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.slot_ops or self.admission or self.decode_width)
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What the runner read back for a plan.
+
+    ``snapshots``: one {device: state} per ``Snapshot`` op, in order. ``prefill_error``: why the
+    admission's prefill failed (nothing was inserted). ``blocks``: (device, ids done, state) of
+    the kept block states. ``scores[d]``: device d's prompt logprobs (``score``). ``first[k]``:
+    member rank k's first tokens [D] and their (logprob [D], top ids [D, k], top logprobs [D, k]).
+    ``decoded``: the decode call's tokens and valid flags [steps, D, W] and their logprobs."""
+
+    snapshots: list[dict[int, Any]] = dataclasses.field(default_factory=list)
+    prefill_error: str | None = None
+    blocks: list[tuple[int, int, Any]] = dataclasses.field(default_factory=list)
+    scores: dict[int, list] | None = None
+    first: list[tuple[np.ndarray, tuple]] = dataclasses.field(default_factory=list)
+    decoded: tuple[np.ndarray, np.ndarray, tuple] | None = None

@@ -1,0 +1,57 @@
+"""Executes a ``StepPlan`` on the device programs and returns what it read back (``StepOutput``).
+
+The runner decides nothing: it runs the plan's slot operations in order, then its admission
+(one prefill, one insert per member rank) or its decode call. A failed prefill is reported in
+the output (nothing was inserted: the slot buffers are untouched); any other failure raises, and
+the engine recovers (the slot buffers are donated, so they are rebuilt).
+"""
+
+from __future__ import annotations
+
+from laplace_jax.serve.plan import Move, Snapshot, StepOutput, StepPlan
+from laplace_jax.serve.programs import DevicePrograms
+
+
+class Runner:
+    """Runs plans on ``programs``; ``compile_on_demand``: a decode width with no executable is
+    compiled when first planned (``buckets="exact"``) instead of being an error."""
+
+    def __init__(self, programs: DevicePrograms, compile_on_demand: bool):
+        self.programs, self.compile_on_demand = programs, compile_on_demand
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        out = StepOutput()
+        for op in plan.slot_ops:
+            if isinstance(op, Snapshot):
+                out.snapshots.append(self.programs.snapshot(op.slots))
+            else:
+                assert isinstance(op, Move)
+                self.programs.move(op.moves)
+        adm = plan.admission
+        if adm is not None:
+            prompts = {d: g[0].prompt_ids for d, g in adm.groups.items()}
+            try:
+                state, logits, out.scores, out.blocks = self.programs.prefill_rows(
+                    prompts, adm.score, adm.starts, adm.keep
+                )
+            except Exception as e:  # this admission only: the scheduler isolates the failing group
+                out.prefill_error = f"{type(e).__name__}: {e}"
+                return out
+            out.first = [self.programs.insert(state, logits, where) for where in adm.inserts]
+        if plan.decode_width is not None:
+            self._ensure_decode(plan.decode_width)
+            out.decoded = self.programs.decode(plan.decode_width)
+        return out
+
+    def _ensure_decode(self, width: int) -> None:
+        """decode[width] must exist after warmup; only ``compile_on_demand`` compiles new widths here."""
+        if self.programs.get("decode", width) is not None:
+            return
+        if not self.compile_on_demand:
+            raise RuntimeError(f"no compiled decode[{width}] after warmup")  # never recompile silently
+        self.programs.compile(*self.programs.decode_program(width))
+
+    def reset(self) -> None:
+        """Forget every executable and rebuild the slot buffers (after a device-loop failure)."""
+        self.programs.executables.clear()
+        self.programs.slots = self.programs.new_slots()

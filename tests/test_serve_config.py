@@ -1,0 +1,54 @@
+"""``ServeConfig``: the one home of every serving setting; serve.py's flags are generated from it."""
+
+import dataclasses
+
+import pytest
+
+from laplace_jax.serve import cli
+from laplace_jax.serve.config import GROUPS, ServeConfig, SettingError
+
+
+def test_every_setting_is_a_flag_with_help_and_the_config_default(monkeypatch):
+    monkeypatch.delenv("LAPLACE_API_KEY", raising=False)
+    assert cli.parse([]) == ServeConfig()  # the flags' defaults are the fields' defaults
+    for f in dataclasses.fields(ServeConfig):
+        assert f.metadata["help"] and f.metadata["group"] in GROUPS, f.name
+    flags = {a.dest for a in cli.parser()._actions if a.dest != "help"}
+    assert flags == {f.name for f in dataclasses.fields(ServeConfig)}
+
+
+def test_flags_parse_into_typed_fields(monkeypatch):
+    monkeypatch.setenv("LAPLACE_API_KEY", "from-env")
+    cfg = cli.parse(["--max-num-seqs", "16", "--prefix-cache-bytes", "512M", "--exact", "--decode-buckets", "1,4"])
+    assert cfg.max_num_seqs == 16 and cfg.prefix_cache_bytes == 512 << 20 and cfg.exact
+    assert cfg.buckets() == [1, 4] and cfg.api_key == "from-env"
+    assert cli.parse(["--api-key", "k"]).api_key == "k"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_num_seqs", 0, "max_num_seqs must be >= 1; got 0"),
+        ("top_p", 0.0, "top_p must be positive"),
+        ("drain_timeout", -1.0, "drain_timeout must be positive"),
+        ("prng_impl", "philox", "prng_impl must be one of auto, threefry2x32"),
+        ("decode_buckets", "1,99", "widths in 1..max_num_seqs (8)"),
+        ("prefix_cache_bytes", -5, "prefix_cache_bytes must be >= 0"),
+    ],
+)
+def test_out_of_range_settings_are_refused_with_their_name(field, value, message):
+    with pytest.raises(SettingError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        ServeConfig(**{field: value})
+    assert e.value.name == field
+
+
+def test_the_cli_names_the_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse(["--max-num-seqs", "0"])
+    assert e.value.code == 2
+    assert "--max-num-seqs: must be >= 1; got 0" in capsys.readouterr().err
+
+
+def test_serve_py_is_a_thin_entry():
+    with open("serve.py") as f:
+        assert len(f.read().splitlines()) <= 40
