@@ -281,9 +281,9 @@ class ModelConfig(Block):
     def check(self) -> None:
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "gate_low_rank_dim", "chunk_size")
         _positive(self, "model", positive)
-        for impl in ("chunk", "pallas") if self.attn_impl in ("pallas", "auto") else ("chunk",):
-            if (problem := chunk_size_problem(impl, self.chunk_size)) is not None:
-                raise ConfigError(f"model.attn_impl={self.attn_impl!r}: {problem}")
+        kernel = {"auto": "pallas", "pallas": "pallas", "chunk": "chunk"}.get(self.attn_impl)  # auto may run pallas
+        if kernel is not None and (problem := chunk_size_problem(kernel, self.chunk_size)) is not None:
+            raise ConfigError(f"model.attn_impl={self.attn_impl!r}: {problem}")
         if self.n_heads % self.kv_heads:
             raise ConfigError(
                 f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.kv_heads})"
