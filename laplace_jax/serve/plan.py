@@ -32,6 +32,12 @@ class Move:
     moves: dict[int, tuple[int, int]]
 
 
+def generating(groups: dict[int, list[Request]]) -> dict[int, list[Request]]:
+    """Each device's group members that generate (``max_tokens`` 0 only scores the prompt and gets
+    no slot); an ``Admission``'s ``inserts[k]`` holds member k of each."""
+    return {d: [r for r in g if r.sampling.max_tokens > 0] for d, g in groups.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Admission:
     """Prefill ``groups[d][0]``'s prompt on device d (all devices in one call), then copy the

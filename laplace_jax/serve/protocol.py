@@ -206,14 +206,20 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
 
 
-class Completion(BaseModel):
+class _Response(BaseModel):
+    """What every response and stream chunk opens with; ``object`` names its kind."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+class Completion(_Response):
     """A /v1/completions response; streamed, each chunk has this shape (one choice, the text so
     far's delta) and ``usage`` only where ``stream_options`` asks for it."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -244,13 +250,10 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(_Response):
     """A /v1/chat/completions response (not streamed)."""
 
-    id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -267,14 +270,11 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Response):
     """One server-sent event of a streamed chat completion; the last (with ``include_usage``)
     has no choices and the usage."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from laplace_jax.serve.plan import Admission, Move, Snapshot, StepOutput, StepPlan
+from laplace_jax.serve.plan import Admission, Move, Snapshot, StepOutput, StepPlan, generating
 from laplace_jax.serve.prefix_cache import ENTRY_OVERHEAD_BYTES, PrefixCache
 from laplace_jax.serve.queue import WaitQueue
 from laplace_jax.serve.request import MAX_SEED, Request, row_params, stop_ids
@@ -64,8 +64,6 @@ def prefix_cache(budget: int, block: int | None, prefill_chunk: int, kernel_chun
             f"--prefix-block must be a multiple of {unit} (the model's {kernel_chunk}-token kernel chunk and the "
             f"{prefill_chunk}-token prefill chunk); got {block}"
         )
-    if budget < 0:
-        raise ValueError(f"--prefix-cache-bytes must be >= 0; got {budget}")
     entry_bytes += ENTRY_OVERHEAD_BYTES
     return PrefixCache(budget, entry_bytes, block, devices) if budget >= entry_bytes else None
 
@@ -136,7 +134,7 @@ class Scheduler:
         score = any(r.sampling.prompt_logprobs is not None for g in placed.values() for r in g)
         prompts = {d: g[0].prompt_ids for d, g in placed.items()}
         starts, keep = self.prefix.plan(prompts) if self.prefix is not None and not score else ({}, {})
-        members = {d: [r for r in g if r.sampling.max_tokens > 0] for d, g in placed.items()}
+        members = generating(placed)
         inserts = []
         for k in range(max(len(m) for m in members.values())):  # member k of every group, one insert
             where = {}
@@ -180,7 +178,7 @@ class Scheduler:
             for r in group:
                 if r.sampling.max_tokens == 0:  # the prompt's scores are all it asked for
                     r.send([], "length")
-        members = {d: [r for r in g if r.sampling.max_tokens > 0] for d, g in adm.groups.items()}
+        members = generating(adm.groups)
         finished: dict[int, list[int]] = {}
         for k, (first, lps) in enumerate(out.first):
             ranked = {d: m[k] for d, m in members.items() if k < len(m)}
