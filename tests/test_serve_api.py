@@ -283,6 +283,22 @@ def test_unknown_routes_and_methods_get_the_envelope(srv):
     assert r.status_code == 405 and r.json()["error"]["code"] == 405
 
 
+def test_stream_events_stay_one_line_whatever_the_text():
+    """Byte-level decoding can emit NEL, U+2028 or U+2029, which JSON leaves raw and httpx's
+    iter_lines splits on: each event must still reach the client as one parseable line."""
+    from httpx._decoders import LineDecoder
+
+    from laplace_jax.serve import protocol as pr
+
+    text = "a\x85b\u2028c\u2029d\ne\r"
+    choice = pr.CompletionChoice(index=0, text=text, logprobs=None, finish_reason=None)
+    event = pr.sse(pr.Completion(id="x", created=0, model="m", choices=[choice]))
+    lines = [x for x in LineDecoder().decode(event) if x]
+    assert len(lines) == 1 and lines[0].startswith("data: {"), lines
+    assert json.loads(lines[0][6:])["choices"][0]["text"] == text
+    assert json.loads(pr.sse({"error": {"message": text}})[6:])["error"]["message"] == text
+
+
 def test_tokenization_runs_off_the_event_loop(srv):
     loop_threads = set()
     seen = []

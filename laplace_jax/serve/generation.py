@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from typing import Any
@@ -224,7 +223,7 @@ class Generation:
                     lp = pr.completion_logprobs(self.tok, tokens, entries, len(s.out), as_ids)
                 choice = pr.CompletionChoice(index=index, text=delta, logprobs=lp, finish_reason=s.finish)
             so_far = {"usage": self._usage(prompts, list(seqs.values()))} if usage == "every" else {}
-            return f"data: {kind(**head, choices=[choice], **so_far).model_dump_json(exclude_unset=True)}\n\n"
+            return pr.sse(kind(**head, choices=[choice], **so_far))
 
         async def events():
             yield chunk(*first)
@@ -233,11 +232,11 @@ class Generation:
                     yield chunk(*item)
             except ApiError as e:  # the response has started: report the failure in the stream
                 self.metrics.errors.labels(e.type).inc()
-                yield f"data: {json.dumps(pr.envelope(e.status, e.message, e.param, e.type))}\n\n"
+                yield pr.sse(pr.envelope(e.status, e.message, e.param, e.type))
             else:
                 if usage is not None:
                     last = kind(**head, choices=[], usage=self._usage(prompts, list(seqs.values())))
-                    yield f"data: {last.model_dump_json(exclude_unset=True)}\n\n"
+                    yield pr.sse(last)
             yield "data: [DONE]\n\n"
 
         async def guarded():

@@ -16,6 +16,7 @@ so no message can forge a role marker.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
@@ -310,6 +311,17 @@ def error_response(
     status: int, message: str, param: str | None = None, type_: str = "invalid_request_error", headers=None
 ) -> JSONResponse:
     return JSONResponse(envelope(status, message, param, type_), status_code=status, headers=headers)
+
+
+# Characters JSON leaves unescaped that many line splitters (Python's str.splitlines, so httpx's
+# iter_lines) take for line ends; inside a JSON string their \\u escapes are the same text.
+_LINE_BREAKING = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse(payload: BaseModel | dict) -> str:
+    """One server-sent event carrying ``payload`` as JSON on a single line, whatever the text."""
+    body = payload.model_dump_json(exclude_unset=True) if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body.translate(_LINE_BREAKING)}\n\n"
 
 
 def content_text(content: str | list[TextPart]) -> str:
