@@ -1,4 +1,4 @@
-"""Numbers with a unit in README.md and BENCHMARKS.md that are not this repository's stored
+"""Numbers with a unit in README.md, BENCHMARKS.md and docs/ that are not this repository's stored
 measurements, by section, each with its kind. ``check_figures --uncovered`` lists every other
 number that no claim checks, and a test keeps that list empty, so a new figure must come with a
 claim (a committed JSON) or an entry here.
@@ -14,7 +14,14 @@ Kinds:
 A current measurement has no kind here: it needs a claim (the tests refuse any other kind).
 """
 
-B, R = "BENCHMARKS.md", "README.md"
+B = "BENCHMARKS.md"
+DEVELOPMENT = "docs/development.md"
+MODEL = "docs/model.md"
+KERNELS = "docs/kernels.md"
+TRAINING = "docs/training.md"
+SERVING = "docs/serving.md"
+EVALUATION = "docs/evaluation.md"
+ACCELERATORS = "docs/accelerators.md"
 
 NOT_MEASURED: dict[tuple[str, str], dict[str, str]] = {
     (B, "# Benchmarks"): {"24 GiB": "input"},
@@ -148,9 +155,9 @@ NOT_MEASURED: dict[tuple[str, str], dict[str, str]] = {
         "32 x": "input",
     },
     (B, "## Numerics report, default vs `--exact` (runs/recall_1x, CPU)"): {"2 x": "input"},
-    (R, "### Numerical tolerances you can rely on"): {"1e-4 x": "target", "1e-5 x": "target"},
-    (R, "### The kernel"): {"16 x": "input"},
-    (R, "## Figures for the 3B config"): {
+    (KERNELS, "## Numerical tolerances you can rely on"): {"1e-4 x": "target", "1e-5 x": "target"},
+    (KERNELS, "## The kernel"): {"16 x": "input"},
+    (MODEL, "## Figures for the 3B config"): {
         "29,491,200 B": "derived",
         "28,311,552 B": "derived",
         "1,179,648 B": "derived",
@@ -158,8 +165,8 @@ NOT_MEASURED: dict[tuple[str, str], dict[str, str]] = {
         "81.9x": "derived",
         "29.5 MB": "reference",
     },
-    (R, "## Muon"): {"1%": "derived"},
-    (R, "## Training"): {
+    (TRAINING, "## Muon"): {"1%": "derived"},
+    (TRAINING, "# Training"): {
         "36 GB": "derived",
         "110 GB": "derived",
         "1 x": "input",
@@ -168,14 +175,14 @@ NOT_MEASURED: dict[tuple[str, str], dict[str, str]] = {
         "96 GiB": "reference",
         "11.5 GB": "reference",
     },
-    (R, "## Serving"): {
+    (SERVING, "# Serving"): {
         "29,491,200 B": "derived",
         "1 GiB": "input",
         "29.5 MB": "reference",
         "0.5 MB": "derived",
         "1.7%": "derived",
     },
-    (R, "### Limits, failures, auth and shutdown"): {
+    (SERVING, "## Limits, failures, auth and shutdown"): {
         "50 ms": "input",
         "10 s": "input",
         "0.5 s": "input",
@@ -185,15 +192,15 @@ NOT_MEASURED: dict[tuple[str, str], dict[str, str]] = {
         "20%": "input",
         "5%": "input",
     },
-    (R, "## Evaluation"): {"100%": "derived"},
-    (R, "### Recall vs state size: what a fixed state remembers"): {
+    (EVALUATION, "# Evaluation"): {"100%": "derived"},
+    (EVALUATION, "## Recall vs state size: what a fixed state remembers"): {
         "1x": "input",
         "4x": "input",
         "29.5 MB": "reference",
     },
-    (R, "### Hybrids: what an attention window buys"): {"3x": "input"},  # control_3x's steps
-    (R, "### `--exact`"): {"2 x": "input"},
-    (R, "## Tests and CI"): {
+    (EVALUATION, "## Hybrids: what an attention window buys"): {"3x": "input"},  # control_3x's steps
+    (EVALUATION, "## `--exact`"): {"2 x": "input"},
+    (DEVELOPMENT, "## Tests and CI"): {
         "85%": "reference",
     },
 }

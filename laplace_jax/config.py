@@ -481,7 +481,7 @@ class MeshConfig(Block):
 class PlanConfig(Block):
     """The target hardware of ``train.py --plan``'s time-and-cost estimate; by default one logical
     NeuronCore (LNC=2) of a trn2.48xlarge, from AWS's Trainium2 specifications (sources in
-    README.md): a chip has 667 dense bf16 TFLOP/s and 1.28 TB/s of NeuronLink-v3 and is four
+    docs/training.md): a chip has 667 dense bf16 TFLOP/s and 1.28 TB/s of NeuronLink-v3 and is four
     logical cores; an instance is 16 chips = 64 logical cores. usd_per_instance_hour 0: the
     estimate gives instance-hours only."""
 

@@ -20,7 +20,7 @@ import psutil
 from laplace_jax.errors import ConfigError
 
 # Dense (no sparsity) bf16 peak per JAX device in TFLOP/s, matched by a substring of
-# ``device_kind``, with where each figure comes from (README.md lists the same sources).
+# ``device_kind``, with where each figure comes from (docs/accelerators.md lists the same sources).
 PEAK_BF16_TFLOPS: dict[str, tuple[float, str]] = {
     "H200": (989.0, "NVIDIA H200 product brief (SXM; 1,979 with sparsity)"),
     "H100": (989.0, "NVIDIA H100 datasheet (SXM; 1,979 with sparsity)"),

@@ -130,7 +130,7 @@ def test_chunked_prefill_continues_state():
         np.testing.assert_allclose(leaf, leaf_full, atol=1e-5)
 
 
-BF16_LOGIT_BOUND = 3e-2  # RMS relative error of bf16-compute logits vs fp32 (README)
+BF16_LOGIT_BOUND = 3e-2  # RMS relative error of bf16-compute logits vs fp32 (docs/kernels.md)
 
 
 def test_bf16_compute_error_is_bounded():

@@ -185,7 +185,7 @@ def test_steps_match_the_torch_recurrence(decay):
     assert _rel(np.stack(outs, 1), o_t.numpy()) <= TOL and _rel(s, s_t.numpy()) <= TOL
 
 
-BF16_BOUND = 2e-2  # RMS relative error of bf16-input chunk_gla vs fp32 (documented in README)
+BF16_BOUND = 2e-2  # RMS relative error of bf16-input chunk_gla vs fp32 (documented in docs/kernels.md)
 
 
 @KERNELS

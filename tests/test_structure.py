@@ -34,3 +34,22 @@ def test_the_check_finds_each_kind_of_problem(tmp_path):
     bare = [p for p in problems if "no module docstring" in p]
     assert sorted(p.split(":")[0].rsplit("/", 1)[1] for p in bare) == ["big.py", "engine.py"], problems
     assert len(problems) == 6
+
+
+def test_readme_is_short_and_every_doc_link_resolves():
+    """README stays a front page (the long sections live in docs/), and a relative link in README,
+    BENCHMARKS.md or docs/ names a file that exists."""
+    import glob
+    import re
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert len(f.read().splitlines()) <= 250
+    docs = ["README.md", "BENCHMARKS.md", *sorted(glob.glob("docs/*.md", root_dir=ROOT))]
+    broken = []
+    for doc in docs:
+        with open(os.path.join(ROOT, doc)) as f:
+            for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", f.read()):
+                path = os.path.normpath(os.path.join(ROOT, os.path.dirname(doc), target))
+                if "://" not in target and not os.path.exists(path):
+                    broken.append(f"{doc}: {target}")
+    assert len(docs) >= 10 and broken == []

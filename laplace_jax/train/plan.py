@@ -26,7 +26,7 @@ from laplace_jax.train.accounting import fits, flops_per_token
 from laplace_jax.train.trainer import Trainer
 
 # The original team's measured 3B training throughput on one trn2.48xlarge (64 logical cores),
-# Muon with the two all-to-alls (the original team's report; README "Figures for the 3B config").
+# Muon with the two all-to-alls (the original team's report; docs/model.md, "Figures for the 3B config").
 SEED_TOKENS_PER_S = 119_934.0
 SEED_PARAMS = 3.028e9
 
