@@ -25,21 +25,10 @@ import numpy as np
 
 from benchmarks.common import baseline_chunk_gla, write_result
 from laplace_jax.ops.gla import gla, recurrent_gla
+from laplace_jax.ops.gla.naive import SWEEP_DECAYS, SWEEP_SHAPE, decay_sweep_inputs
 
-DECAYS = (-0.01, -0.1, -1.0, -4.0, -8.0, -16.0, "mixed")
 GRADS = ("q", "k", "v", "g", "s0")
-B, T, H, K, V, C = 2, 150, 2, 32, 32, 64
-
-
-def inputs(decay, seed: int = 0) -> list[np.ndarray]:
-    """(q, k, v, g, s0, w_o, w_s) in float64; w_* weigh the output and the final state in the loss."""
-    r = np.random.default_rng(seed)
-    q, k = (r.standard_normal((B, T, H, K)) for _ in range(2))
-    v, s0 = r.standard_normal((B, T, H, V)), r.standard_normal((B, H, K, V))
-    levels = np.array([d for d in DECAYS if d != "mixed"])
-    base = levels[r.integers(0, len(levels), (1, 1, H, K))] if decay == "mixed" else np.full((1, 1, H, K), decay)
-    g = np.minimum(base * (1 + 0.05 * r.standard_normal((B, T, H, K))), 0.0)
-    return [q, k, v, g, s0, r.standard_normal((B, T, H, V)), r.standard_normal((B, H, K, V))]
+C = SWEEP_SHAPE["chunk_size"]
 
 
 def grad_fn(fn):
@@ -79,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.baseline:
         base = baseline_chunk_gla(a.baseline)
         kernels["baseline"] = grad_fn(lambda q, k, v, g, s0: base(q, k, v, g, s0, C))
-    res = {"jax": jax.__version__, "shape": dict(B=B, T=T, H=H, K=K, V=V, chunk_size=C), "decays": {}}
-    for decay in DECAYS:
-        xs = inputs(decay)
+    res = {"jax": jax.__version__, "shape": dict(SWEEP_SHAPE), "decays": {}}
+    for decay in SWEEP_DECAYS:
+        xs = decay_sweep_inputs(decay)
         with jax.enable_x64(True):
             reference = grad_fn(lambda q, k, v, g, s0: recurrent_gla(q, k, v, g, initial_state=s0))(*xs)
             reference = [np.asarray(x) for x in reference]

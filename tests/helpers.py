@@ -1,5 +1,7 @@
 """Small configs for training tests (seconds per run on CPU), and the sharded loss and gradients."""
 
+import os
+
 import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding
@@ -9,6 +11,9 @@ from laplace_jax.config import RunConfig
 from laplace_jax.defaults import base_config
 from laplace_jax.sharding import BATCH_AXES, make_mesh, param_shardings, param_specs
 from laplace_jax.train.step import fsdp_value_and_grad
+
+TESTS = os.path.dirname(os.path.abspath(__file__))  # the shared helpers and references live here
+ROOT = os.path.dirname(TESTS)  # the repository
 
 
 def micro_config(**sections):

@@ -56,6 +56,7 @@ class Running(BackgroundServer):
     def client(self):
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
 
-    def post(self, body=None, route="/v1/completions", **kw):
-        """POST ``body`` as JSON to ``route`` (httpx's response; ``kw``: headers and the like)."""
-        return httpx.post(self.url + route, json=body, timeout=120, **kw)
+    def post(self, body=None, route="/v1/completions", timeout=120.0, **kw):
+        """POST ``body`` as JSON to ``route``, or raw bytes as ``content=`` (httpx's response; ``kw``:
+        headers and the like). The one HTTP helper of the serving tests."""
+        return httpx.post(self.url + route, json=body, timeout=timeout, **kw)

@@ -11,11 +11,11 @@ import time
 import jax
 import numpy as np
 import pytest
+from helpers import micro_config
 
 from laplace_jax.checkpoint import CHECKSUMS, damage, load_trained
 from laplace_jax.errors import CheckpointError
 from laplace_jax.train.loop import run
-from tests.helpers import micro_config
 
 CFG = dict(train=dict(steps=12, ckpt_every=4))
 

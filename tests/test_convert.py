@@ -5,13 +5,13 @@ import json
 import jax
 import numpy as np
 import pytest
+from fla_files import fla_config, write_fla_checkpoint
 from safetensors.numpy import load_file
 
 from laplace_jax import ModelConfig, init_params
 from laplace_jax.checkpoint import load_model
 from laplace_jax.convert import load_fla, main, save_fla
 from laplace_jax.errors import CheckpointFormatError
-from tests.test_model import fla_config, write_fla_checkpoint
 
 
 def test_export_import_round_trip_is_bit_exact(tmp_path):
@@ -44,8 +44,7 @@ def test_fla_names_of_every_flavour_import(tmp_path, fuse_norm, short_conv, kv_h
     attn.g_norm; short conv; GQA) import, and export uses fla's default name with the same values."""
     import torch
     from safetensors.torch import save_file
-
-    from tests.torch_gla import GLAForCausalLM
+    from torch_gla import GLAForCausalLM
 
     c = fla_config(use_short_conv=short_conv, num_kv_heads=kv_heads, fuse_norm=fuse_norm)
     torch.manual_seed(0)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import micro_config
 from safetensors.torch import save_file
 
 from laplace_jax.convert import load_fla
@@ -17,7 +18,6 @@ from laplace_jax.errors import UserError
 from laplace_jax.optim.from_config import make_schedule
 from laplace_jax.train.loop import run
 from laplace_jax.train.trainer import Trainer
-from tests.helpers import micro_config
 
 
 def _one_step(cfg, batch):
@@ -117,7 +117,7 @@ def test_tokenizer_json_loads_and_round_trips(tmp_path):
 
 
 def test_sharded_safetensors_import_equals_the_single_file(tmp_path):
-    from tests.test_model import fla_config, write_fla_checkpoint
+    from fla_files import fla_config, write_fla_checkpoint
 
     c = fla_config(use_short_conv=True)
     model = write_fla_checkpoint(tmp_path / "single", c)

@@ -5,11 +5,11 @@ import time
 
 import jax
 import pytest
+from helpers import micro_config
 
 from laplace_jax.errors import UserError
 from laplace_jax.train import trainer as trainer_mod
 from laplace_jax.train.loop import run
-from tests.helpers import micro_config
 
 
 def test_a_refused_run_leaves_no_directory(tmp_path):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import micro_config
 
 from laplace_jax.convert import load_fla, main
 from laplace_jax.data.tokenizer import ByteTokenizer
@@ -23,7 +24,6 @@ from laplace_jax.generate import sample
 from laplace_jax.loading import load_for_inference
 from laplace_jax.models.gla_lm import forward
 from laplace_jax.train.loop import run
-from tests.helpers import micro_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = """

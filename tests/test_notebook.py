@@ -5,10 +5,10 @@ import os
 import jax
 import nbformat
 import pytest
+from helpers import micro_config
 from nbclient import NotebookClient
 
 from laplace_jax.train.loop import run
-from tests.helpers import micro_config
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 equations and sharing no code with the kernels. The benchmarks measure every kernel's error
 against it (the tests use the PyTorch one in ``tests/torch_gla.py``). Its vector-Jacobian
 product is the reverse-time recurrence, also in float64, so gradient errors need no autodiff
-framework either. ``random_gla_inputs`` draws the inputs those figures (and the tests) use.
+framework either. ``random_gla_inputs`` draws the inputs those figures (and the tests) use;
+``decay_sweep_inputs`` the decay sweep's (its benchmark and its test share them).
 
 Per head, with s the scale: S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T and o_t = S_t^T (s q_t).
 """
@@ -81,6 +82,25 @@ def random_gla_inputs(
         g = -np.logaddexp(0, -z)
     s0 = r.standard_normal((B, H, K, V)).astype(np.float32)
     return q, k, v, g.astype(np.float32), s0
+
+
+# The decay sweep: per-token log-decays from almost none to -16 nats/token, and "mixed" (each key
+# channel at one of them), at B2 T150 H2 K32 V32 with chunk 64.
+SWEEP_DECAYS = (-0.01, -0.1, -1.0, -4.0, -8.0, -16.0, "mixed")
+SWEEP_SHAPE = {"B": 2, "T": 150, "H": 2, "K": 32, "V": 32, "chunk_size": 64}
+
+
+def decay_sweep_inputs(decay: float | str, seed: int = 0) -> list[np.ndarray]:
+    """(q, k, v, g, s0, w_o, w_s) in float64 for one of ``SWEEP_DECAYS``: g is the decay with 5%
+    jitter per token and channel; w_o and w_s weigh the output and the final state in the loss."""
+    B, T, H, K, V = (SWEEP_SHAPE[n] for n in "BTHKV")
+    r = np.random.default_rng(seed)
+    q, k = (r.standard_normal((B, T, H, K)) for _ in range(2))
+    v, s0 = r.standard_normal((B, T, H, V)), r.standard_normal((B, H, K, V))
+    levels = np.array([d for d in SWEEP_DECAYS if d != "mixed"])
+    base = levels[r.integers(0, len(levels), (1, 1, H, K))] if decay == "mixed" else np.full((1, 1, H, K), decay)
+    g = np.minimum(base * (1 + 0.05 * r.standard_normal((B, T, H, K))), 0.0)
+    return [q, k, v, g, s0, r.standard_normal((B, T, H, V)), r.standard_normal((B, H, K, V))]
 
 
 def rel_error(a: np.ndarray, ref: np.ndarray) -> float:

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from helpers import ROOT
 from serving_helpers import serve_config
 
 from laplace_jax import ModelConfig, forward, init_params
@@ -29,7 +30,6 @@ from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.request import Request, SamplingParams
 from laplace_jax.tasks.recall import max_pairs, mqar, passkey, suite
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MICRO = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1)
 
 

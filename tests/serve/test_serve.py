@@ -19,13 +19,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving_helpers import CFG, PARAMS, TOK, Running, reference_greedy
 
 
-@pytest.fixture(scope="module")
-def srv():
-    s = Running(max_num_seqs=4, prefill_chunk=16, steps_per_call=4, max_queue=100)
-    yield s
-    s.close()
-
-
 def test_completions_stream_and_chat(srv):
     c = srv.client()
     prompt = "Return the number of items"
@@ -111,11 +104,7 @@ def test_forty_staggered_requests(srv):
 
     def go(i):
         ids, n = jobs[i]
-        r = httpx.post(
-            srv.url + "/v1/completions",
-            timeout=300,
-            json={"model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0},
-        )
+        r = srv.post({"model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0}, timeout=300)
         results[i] = r.json()
 
     threads = []
@@ -196,7 +185,7 @@ def test_bad_requests_get_openai_errors(srv, body, status, param):
 def test_unknown_fields_are_explained(srv, route, body, message):
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     base = chat if "chat" in route else {"model": "tiny", "prompt": "x"}
-    r = httpx.post(srv.url + route, json={**base, **body})
+    r = srv.post({**base, **body}, route)
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.json()
     assert r.json()["error"]["param"] == next(iter(body))
 
@@ -211,7 +200,7 @@ def test_every_vllm_field_is_served_or_refused_with_its_reason(srv):
         for route, base in (("/v1/chat/completions", chat), ("/v1/completions", {"model": "tiny", "prompt": "x"})):
             if field == "echo" and "chat" not in route:
                 continue  # the completions route serves echo
-            r = httpx.post(srv.url + route, json={**base, field: True})
+            r = srv.post({**base, field: True}, route)
             err = r.json()["error"]
             assert r.status_code == 400 and err["param"] == field, (field, route, r.text)
             assert err["message"] == f"{field!r} is not supported: this server does no {reason}"
@@ -231,7 +220,7 @@ def test_a_request_id_names_the_response(srv):
 
 
 def test_malformed_json(srv):
-    r = httpx.post(srv.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = srv.post(content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from serving_helpers import CFG, PARAMS, TOK, Running, reference_greedy
+from serving_helpers import CFG, PARAMS, TOK, reference_greedy
 
 from laplace_jax.models.gla_lm import forward
 
@@ -82,21 +82,17 @@ def samples(out_dir, task: str) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_lm_eval_local_completions_runs_both_task_kinds_to_the_end(tmp_path):
-    srv = Running(max_num_seqs=4, prefill_chunk=16, max_queue=64)
-    try:
-        args = (
-            f"model=tiny,base_url={srv.url}/v1/completions,tokenizer_backend=remote,"
-            "tokenized_requests=True,max_length=512,max_retries=1"
-        )
-        env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
-               "--tasks", "laplace_mc,laplace_gen", "--include_path", task_files(tmp_path), "--batch_size", "4",
-               "--output_path", str(tmp_path / "out"), "--log_samples"]  # fmt: skip
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        assert run.returncode == 0, run.stderr[-3000:]
-    finally:
-        srv.close()
+def test_lm_eval_local_completions_runs_both_task_kinds_to_the_end(srv, tmp_path):
+    args = (
+        f"model=tiny,base_url={srv.url}/v1/completions,tokenizer_backend=remote,"
+        "tokenized_requests=True,max_length=512,max_retries=1"
+    )
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
+           "--tasks", "laplace_mc,laplace_gen", "--include_path", task_files(tmp_path), "--batch_size", "4",
+           "--output_path", str(tmp_path / "out"), "--log_samples"]  # fmt: skip
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
     mc = samples(tmp_path / "out", "laplace_mc")
     assert len(mc) == len(MC)
     for s in mc:

@@ -29,13 +29,6 @@ jax.monitoring.register_event_duration_secs_listener(
 )
 
 
-@pytest.fixture(scope="module")
-def srv():
-    s = Running(max_num_seqs=4, prefill_chunk=16, steps_per_call=4, max_queue=200)
-    yield s
-    s.close()
-
-
 def complete(srv, **fields):
     r = srv.post({"model": "tiny", "prompt": PROMPT, "max_tokens": 24, **fields})
     assert r.status_code == 200, r.text
@@ -111,7 +104,7 @@ def test_body_size_is_capped_with_413(srv):
         for _ in range(40):
             yield b" " * 65536
 
-    r = httpx.post(srv.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    r = srv.post(content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413
     assert_healthy(srv)
 
@@ -244,7 +237,7 @@ def wait_idle(srv, seconds: float) -> float:
 
 def test_non_streaming_client_timeout_frees_the_slot(long_srv):
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(long_srv.url + "/v1/completions", json=LONG, timeout=0.5)
+        long_srv.post(LONG, timeout=0.5)
     assert wait_idle(long_srv, 5) < 2.0 and long_srv.engine.counts() == (0, 0)
     assert metric(long_srv, "laplace:num_requests_running") == 0
 
@@ -461,7 +454,7 @@ def test_fuzzed_bodies_never_hurt_the_server(srv, case):
     path = "/v1/chat/completions" if chat else "/v1/completions"
     if isinstance(body, dict) and body.get("user") == "tokenize":  # the tokenizer routes take the same bodies
         path = "/tokenize"
-    r = httpx.post(srv.url + path, content=json.dumps(body, allow_nan=True), timeout=60)
+    r = srv.post(route=path, content=json.dumps(body, allow_nan=True), timeout=60)
     assert 200 <= r.status_code < 500, (r.status_code, r.text[:300])
     if r.status_code >= 400:
         err = r.json()["error"]

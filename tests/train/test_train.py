@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import micro_config
 
 from laplace_jax.checkpoint import TrainCheckpointer, load_trained
 from laplace_jax.errors import UserError
 from laplace_jax.models.gla_lm import forward
 from laplace_jax.train.loop import run
 from laplace_jax.train.trainer import Trainer
-from tests.helpers import micro_config
 
 
 def _quiet(*_):

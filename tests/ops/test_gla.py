@@ -9,14 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from torch_gla import naive_recurrent_gla
 
-from benchmarks.bench_decay_sweep import DECAYS as SWEEP
-from benchmarks.bench_decay_sweep import inputs as sweep_inputs
 from laplace_jax.ops.gla import chunk_gla, gla, gla_step, recurrent_gla
+from laplace_jax.ops.gla.naive import SWEEP_DECAYS, decay_sweep_inputs
 from laplace_jax.ops.gla.naive import random_gla_inputs as _inputs
 from laplace_jax.ops.gla.naive import rel_error as _rel
 from laplace_jax.platform import compiling_for
-from tests.torch_gla import naive_recurrent_gla
 
 TOL = 5e-6  # max abs error relative to the output scale (max |o_ref|), fp32: 10x the worst measured (5e-7)
 
@@ -115,7 +114,8 @@ def test_gradients_match_torch_float64_autograd(decay, kernel):
         assert _rel(ours, ref.grad.numpy()) <= TOL, name
 
 
-# the decay sweep (benchmarks/bench_decay_sweep.py): per-token log-decays from almost none to -16 nats
+# the decay sweep (naive.decay_sweep_inputs, shared with benchmarks/bench_decay_sweep.py): per-token
+# log-decays from almost none to -16 nats
 SWEEP_PER_ELEMENT, SWEEP_SUMMED = 2e-6, 1e-5  # measured ~1e-7 to 6e-7 on both kernels
 
 
@@ -129,12 +129,12 @@ def _sweep_grad(kernel):
 
 
 @KERNELS
-@pytest.mark.parametrize("decay", SWEEP)
+@pytest.mark.parametrize("decay", SWEEP_DECAYS)
 def test_gradients_exact_at_every_decay(decay, kernel):
     """All five gradients against float64 torch autograd of the token recurrence, per element and
     summed over batch and positions (what a gate bias sees): the gate gradient must not cancel
     however strong the decay (T = 150: a partial chunk of 64, sub-blocks between pairs)."""
-    *xs, w_o, w_s = sweep_inputs(decay, seed=3)  # the benchmark's inputs: B2 T150 H2 K32 V32
+    *xs, w_o, w_s = decay_sweep_inputs(decay, seed=3)  # the benchmark's inputs: B2 T150 H2 K32 V32
     xs = [x.astype(np.float32) for x in xs]
     ts = [torch.from_numpy(x.astype(np.float64)).requires_grad_() for x in xs]
     o_t, s_t = naive_recurrent_gla(*ts[:4], initial_state=ts[4])

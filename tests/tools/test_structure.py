@@ -3,9 +3,9 @@ short; every module says what it holds."""
 
 import os
 
-from laplace_jax.tools import layers
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from laplace_jax.tools import layers
 
 
 def test_the_package_has_no_upward_import_unplaced_module_long_function_or_class_or_bare_module():

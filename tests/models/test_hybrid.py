@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import ROOT, TESTS, micro_config, sharded_value_and_grad
 from serving_helpers import reference_greedy, serve_config
 
 from laplace_jax import ModelConfig, decode_step, forward, init_params, init_state, prefill
@@ -25,9 +26,7 @@ from laplace_jax.models.layout import layer_groups
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.request import Request, SamplingParams
 from laplace_jax.train.loop import run
-from tests.helpers import micro_config, sharded_value_and_grad
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 WINDOWED = dict(layers=[1, 3], num_heads=4, num_kv_heads=2, window_size=6)
 MIXED = [dict(layers=[0], num_heads=2, qkv_bias=True, rope_theta=500.0), dict(layers=[2], num_heads=4, window_size=20)]
 
@@ -79,7 +78,7 @@ def test_dict_and_list_forms_and_a_saved_config_are_one_config():
 def test_a_config_file_sets_attn():
     from laplace_jax.config import load_config_file
 
-    c = load_config_file(os.path.join(os.path.dirname(HERE), "configs", "recall_tiny.py") + ":hybrid")
+    c = load_config_file(os.path.join(ROOT, "configs", "recall_tiny.py") + ":hybrid")
     cfg = RunConfig.from_mapping(c)
     assert cfg.model.attn[0].layers == (1,) and cfg.model.attn[0].window_size == 256
 
@@ -169,7 +168,7 @@ print("RESULT " + json.dumps(out))
 
 
 def run_child(jobs: dict, prompt: list[int]) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]))
     child = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(jobs), json.dumps(prompt)],
         env=env, capture_output=True, text=True, timeout=600,

@@ -111,7 +111,7 @@ def test_serve_py_refuses_more_devices_than_there_are(tmp_path, capsys):
 def test_rbg_keys_sample_reproducibly_and_greedy_is_unchanged():
     """serve.py --prng-impl rbg (Neuron's default): a seeded request repeats itself, and greedy
     decoding equals the model's own recurrent path."""
-    from tests.serving_helpers import TOK, Running, reference_greedy
+    from serving_helpers import TOK, Running, reference_greedy
 
     srv = Running(prng_impl="rbg", max_num_seqs=2)
     try:

@@ -20,13 +20,6 @@ from laplace_jax.models.gla_lm import forward
 LOGPROB_TOL = 1e-5  # fp32 chunked prefill / recurrent decode against one fp32 forward pass
 
 
-@pytest.fixture(scope="module")
-def srv():
-    s = Running(max_num_seqs=4, prefill_chunk=16, steps_per_call=4, max_queue=100)
-    yield s
-    s.close()
-
-
 def model_logprobs(ids: list[int]) -> np.ndarray:
     """log p(ids[i] | ids[:i]) for i >= 1 from one full forward pass (the training path)."""
     lsm = jax.nn.log_softmax(forward(CFG, PARAMS, jnp.asarray([ids]))[0], axis=-1)
@@ -332,14 +325,12 @@ def test_a_queued_client_that_leaves_frees_its_place():
             time.sleep(0.02)
         for _ in range(2):  # fill the queue with clients that give up
             with pytest.raises(httpx.TimeoutException):
-                httpx.post(
-                    s.url + "/v1/completions", json={"model": "tiny", "prompt": "b", "max_tokens": 4}, timeout=0.3
-                )
+                s.post({"model": "tiny", "prompt": "b", "max_tokens": 4}, timeout=0.3)
         deadline = time.time() + 5
         while s.engine.counts()[1] and time.time() < deadline:
             time.sleep(0.02)
         assert s.engine.counts()[1] == 0
-        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "c", "max_tokens": 2}, timeout=0.5)
+        r = s.post({"model": "tiny", "prompt": "c", "max_tokens": 2}, timeout=0.5)
         assert False, r  # noqa: B011 - unreachable: it waits behind the long request, it is not refused
     except httpx.TimeoutException:
         pass  # queued (not 429): the departed clients' places were freed

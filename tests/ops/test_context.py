@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import micro_config, sharded_value_and_grad
 from jax.sharding import PartitionSpec as P
 
 from laplace_jax.data.synthetic import NO_LOSS
@@ -19,7 +20,6 @@ from laplace_jax.models.gla_lm import init_params
 from laplace_jax.ops.gla import chunk_gla, context_gla
 from laplace_jax.train.loop import run
 from laplace_jax.train.trainer import Trainer
-from tests.helpers import micro_config, sharded_value_and_grad
 
 TOL = 1e-5  # relative to the largest reference value, fp32
 
