@@ -42,8 +42,6 @@ NOT_MEASURED: dict[tuple[str, str], dict[str, str]] = {
     },
     (B, "### Kernel memory"): {"4x": "target", "0.14 GiB": "derived", "0.13 GiB": "derived"},
     (B, "### Train-step memory per remat policy"): {
-        "16 x": "input",
-        "1 x": "input",
         "248 GiB": "reference",
         "120 GiB": "target",
         "5.3 GiB": "derived",

@@ -262,12 +262,262 @@ def _headlines(first_run: dict, sweep: dict, tpu: dict, decode: dict, muon: dict
     return rows
 
 
+# ----- BENCHMARKS.md's tables ------------------------------------------------------------------
+GiB = 2**30
+
+
+def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table: the header, its rule, one line per row."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(c) + " |" for c in rows]
+
+
+def _sci(x: float) -> str:
+    """1.2e-7 style: one decimal, no padded exponent."""
+    mantissa, exp = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exp)}"
+
+
+GLA_ROWS = (
+    ("chunk64", "chunk, C=64"),
+    ("chunk128", "chunk, C=128"),
+    ("chunk256", "chunk, C=256"),
+    ("baseline128", "wave 3 kernel (16-row sub-blocks), C=128"),
+    ("recurrent", "`recurrent_gla`"),
+)
+
+
+def _gla_cpu(r: dict) -> list[str]:
+    rows = []
+    for impl, label in GLA_ROWS:
+        x = r["impls"][impl]
+        rows.append(
+            [
+                label,
+                f"{1e3 * x['fwd_s']:,.0f}",
+                f"{1e3 * x['fwd_bwd_s']:,.0f}",
+                f"{x['fwd_fraction_of_flop_peak']:.1%}",
+                f"{x['fwd_bwd_fraction_of_flop_peak']:.1%}",
+                f"{x['fwd_bwd_fraction_of_bandwidth']:.1%}",
+                f"{x['fwd_bwd_speedup_over_recurrent']:.1f}x",
+            ]
+        )
+    head = ["implementation", "fwd ms", "f+b ms", "fwd % FLOP peak", "f+b % FLOP peak", "f+b % bandwidth"]
+    return _grid([*head, "f+b vs recurrent"], rows)
+
+
+PALLAS_KERNELS = ("gla_states", "gla_scores", "gla_out", "gla_dstates", "gla_dscores", "gla_dqkg", "gla_dv")
+TILINGS = ((32, 32), (32, 64), (64, 64), (32, 128))  # tools.gpu_check.BLOCKS
+
+
+def _gpu_static(r: dict) -> list[str]:
+    rows = []
+    for name in PALLAS_KERNELS:
+        k90, k80 = (next(k for k in r["kernels"] if (k["kernel"], k["arch"]) == (name, a)) for a in ("sm_90", "sm_80"))
+        mma = "wgmma m64n64k16" if any("wgmma" in m for m in k90["mma"]) else "mma.sync m16n8k16"
+        rows.append(
+            [
+                name,
+                " x ".join(map(str, k90["grid"])),
+                f"{k90['programs']:,} ({k90['programs_per_sm']:.2f})",
+                f"{k90['num_warps']} / {k90['num_stages']}",
+                f"{k90['registers']}, {k90['spill_store_bytes']:,} B",
+                f"{k80['registers']}, {k80['spill_store_bytes']:,} B",
+                f"{k90['shared_bytes'] / 1024:.0f} KiB",
+                mma,
+                f"{k90['dots'].get('bf16', 0)} / {k90['dots'].get('f32_ieee', 0)}",
+            ]
+        )
+    head = ["kernel", "grid", "programs (per H200 SM)", "warps / stages", "sm_90 registers, spills"]
+    head += ["sm_80 registers, spills", "sm_90 shared", "sm_90 MMA", "dots in the IR (bf16 / IEEE fp32)"]
+    return _grid(head, rows)
+
+
+def _gpu_tilings(r: dict) -> list[str]:
+    rows = []
+    for bk, bv in TILINGS:
+        ks = {x["kernel"]: x for x in r["blocks"] if (x["block_k"], x["block_v"]) == (bk, bv)}
+        worst = max(ks.values(), key=lambda x: x["spill_store_bytes"])
+        spills = f"{worst['spill_store_bytes']:,} B" + (f" ({worst['kernel']})" if worst["spill_store_bytes"] else "")
+        regs = " / ".join(str(ks[k]["registers"]) for k in ("gla_out", "gla_dv", "gla_dqkg"))
+        rows.append([f"{bk} x {bv}", f"{ks['gla_states']['programs']:,}", spills, regs])
+    head = [
+        "key x value tile",
+        "state-pass programs",
+        "spills (worst kernel)",
+        "registers: gla_out / gla_dv / gla_dqkg",
+    ]
+    return _grid(head, rows)
+
+
+def _decay_sweep(r: dict) -> list[str]:
+    def cell(g: dict) -> str:
+        return f"{_sci(g['per_element'])} / {_sci(g['summed'])} / {_sci(g['per_channel'])}"
+
+    def others(x: dict) -> str:
+        return _sci(max(x[n]["per_element"] for n in ("q", "k", "v", "s0")))
+
+    rows = []
+    for decay, row in r["decays"].items():
+        x, p, b = row["chunk"], row["pallas"], row["baseline"]
+        rows.append([decay, cell(x["g"]), cell(p["g"]), f"{others(x)} / {others(p)}", cell(b["g"])])
+    return _grid(["g per token", "dg, XLA", "dg, Pallas", "others", "dg, kernel before (XLA)"], rows)
+
+
+REMAT_RECOMPUTES = {  # what each policy's backward recomputes (model.remat's definitions)
+    "none": "nothing",
+    "full": "the whole layer from its input",
+    "save_dots": "norms, gates, the GLA kernel, activations",
+    "save_gla": "projections, norms, MLP; not the GLA kernel",
+}
+
+
+def _remat_memory(r: dict) -> list[str]:
+    rows = [
+        [
+            f"{p['remat']}",
+            f"{p['memory']['temporaries'] / GiB:.1f} GiB",
+            f"{p['memory']['arguments'] / GiB:.1f} GiB",
+            REMAT_RECOMPUTES[p["remat"]],
+        ]
+        for p in r["policies"]
+    ]
+    return _grid(["`model.remat`", "temporaries", "arguments", "what the backward recomputes"], rows)
+
+
+def _remat_time(r: dict) -> list[str]:
+    rows = [
+        [p["remat"], f"{p['memory']['temporaries'] / GiB:.1f} GiB", f"{p['step_seconds']:.1f} s"] for p in r["policies"]
+    ]
+    return _grid(["`model.remat`", "temporaries (16 x 2048)", "step time (1 x 2048, CPU)"], rows)
+
+
+def _train_cpu(r: dict) -> list[str]:
+    rows = []
+    for name, x in r["runs"].items():
+        step = f"{x['step_s']:.2f} s" if x["step_s"] < 10 else f"{x['step_s']:.1f} s"
+        rows.append(
+            [
+                name,
+                f"{x['params'] / 1e6:.1f}M",
+                f"{x['tokens_per_step']:,}",
+                step,
+                f"{x['tokens_per_s']:,.0f}",
+                f"{100 * x['mfu']:.1f}%",
+                f"{x['memory']['total'] / GiB:.2f} GiB",
+            ]
+        )
+    mfu = f"MFU vs measured fp32 matmul ({r['peak_flops'] / 1e9:.0f} GFLOP/s)"
+    return _grid(["config", "params", "tokens/step", "step", "tokens/s", mfu, "compiled memory"], rows)
+
+
+def _muon(r: dict) -> list[str]:
+    rows = []
+    for payload, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
+        x = r[dtype]
+        rows.append(
+            [
+                payload,
+                f"{x['all_to_all_ops_per_step']:.0f}",
+                f"{x['all_to_all_bytes_per_rank'] / 1e9:.3f} GB",
+                f"{x['ideal_all_to_all_bytes_per_rank'] / 1e9:.3f} GB",
+                f"{x['gather_baseline_bytes_per_rank'] / 1e9:.3f} GB",
+                f"{x['reduction_vs_gather']:.1f}x",
+                f"{x['ns_busiest_over_mean']:.3f}",
+                f"{x['ns_executed_over_mean']:.3f}",
+            ]
+        )
+    head = ["payload", "all-to-alls / step", "bytes / rank / step (both)", "ideal", "gather-everything baseline"]
+    head += ["reduction", "NS FLOPs owned, busiest / mean", "NS FLOPs run per rank / mean"]
+    return _grid(head, rows)
+
+
+def _checkpoint(r: dict) -> list[str]:
+    row = [f"{r['median_s'][k]:.2f} s" for k in ("save", "seal", "verify")]
+    return _grid(["save", "seal", "verify", "seal / save"], [[*row, f"**{100 * r['seal_over_save']:.1f}%**"]])
+
+
+def _plan_memory(r: dict) -> list[str]:
+    m, hbm = r["memory_per_device"], r["device_memory"]
+    total = f"{m['total'] / GiB:.2f} GiB of {hbm / GiB:.0f} GiB ({m['total'] / hbm:.0%})"
+    return _grid(
+        ["arguments", "temporaries", "total"],
+        [[f"{m['arguments'] / GiB:.2f} GiB", f"{m['temporaries'] / GiB:.2f} GiB", total]],
+    )
+
+
+PLAN_ROWS = (  # label, collective, JAX source (None: every source), whether the wire bytes are quoted
+    ("all-to-all: Muon (shard_map, bf16 payload)", "all-to-all", None, True),
+    ("all-gather: weights in bf16 (`gathered`, forward and rematerialised backward)", "all-gather", "weights", False),
+    ("all-gather: the embedding table in bf16 (forward)", "all-gather", "embeddings", False),
+    ("all-gather: total", "all-gather", None, True),
+    ("reduce-scatter: every gradient to its shard, fp32", "reduce-scatter", None, True),
+    ("all-reduce: loss, norm gains, gradient norm", "all-reduce", None, True),
+)
+
+
+def _plan_collectives(r: dict) -> list[str]:
+    rows = []
+    for label, kind, source, wire in PLAN_ROWS:
+        x = (
+            r["train_step_collectives_by_source"][source][kind]
+            if source
+            else r["train_step_collectives_per_device"][kind]
+        )
+        w = f"{r['wire_bytes_per_device'][kind] / 1e9:.3f} GB" if wire else ""
+        rows.append([label, f"{x['ops']:.0f}", f"{x['bytes'] / 1e9:.3f} GB", w])
+    return _grid(["collective", "ops", "bytes", "wire"], rows)
+
+
+def _plan_cost(r: dict) -> list[str]:
+    c, rows = r["cost"], []
+    for label, key in (
+        ("roofline, communication overlapped", "overlapped"),
+        ("roofline, communication serial", "serial"),
+        ("Laplace 3B, original team (measured)", "seed"),
+    ):
+        x = c[key]
+        mfu = x.get("mfu", x["tokens_per_s"] / c["overlapped"]["tokens_per_s"])
+        rows.append(
+            [
+                label,
+                f"{x['tokens_per_s']:,.0f}",
+                f"{x['step_s']:.2f} s",
+                f"{x['days']:.1f}",
+                f"{x['instance_hours']:.0f}",
+                f"{100 * mfu:.0f}%",
+            ]
+        )
+    return _grid(["", "tokens/s", "step", "days for 100e9 tokens", "instance-hours", "MFU"], rows)
+
+
+def _recall_grid(r: dict) -> list[str]:
+    lengths = sorted({c["length"] for c in r.values() if isinstance(c, dict) and "length" in c})
+    levels = sorted({c["level"] for c in r.values() if isinstance(c, dict) and "level" in c})
+    cells = {(c["level"], c["length"]): c["accuracy"] for c in r.values() if isinstance(c, dict) and "length" in c}
+    rows = [[str(n), *(f"{cells[n, t]:.2f}" if (n, t) in cells else "" for t in lengths)] for n in levels]
+    return _grid(["N \\ length", *map(str, lengths)], rows)
+
+
 # name -> (JSON files under benchmarks/results, renderer taking their contents in that order)
 TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "headlines": (
         ("first_run_tiny.json", "decay_sweep.json", "tpu_programs.json", "decode_memory_3b_bf16.json", "muon_3b.json"),
         _headlines,
     ),
+    "gla_cpu": (("gla_cpu.json",), _gla_cpu),
+    "gpu_static": (("gpu_static_3b.json",), _gpu_static),
+    "gpu_tilings": (("gpu_static_3b.json",), _gpu_tilings),
+    "decay_sweep": (("decay_sweep.json",), _decay_sweep),
+    "remat_memory_340m": (("memory_step_340m.json",), _remat_memory),
+    "remat_time_100m": (("memory_step_100m.json",), _remat_time),
+    "train_cpu": (("train_cpu.json",), _train_cpu),
+    "muon_3b": (("muon_3b.json",), _muon),
+    "checkpoint_3b": (("checkpoint_3b.json",), _checkpoint),
+    "plan_memory": (("plan_3b.json",), _plan_memory),
+    "plan_collectives": (("plan_3b.json",), _plan_collectives),
+    "plan_cost": (("plan_3b.json",), _plan_cost),
+    "recall_1x": (("recall_mqar_1x.json",), _recall_grid),
+    "recall_4x": (("recall_mqar_4x.json",), _recall_grid),
     "tpu_programs": (("tpu_programs.json",), _tpu_programs),
     "tpu_train": (("tpu_programs.json",), _tpu_train),
     "tpu_sources": (("tpu_programs.json",), _tpu_sources),
@@ -279,6 +529,17 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "context_kernel_tpu": (("context_plans_tpu.json",), _context_kernel_tpu),
     "hybrid_recall": (("hybrid_recall.json",), _hybrid_recall),
     "attention_tpu": (("attention_tpu.json",), _attention_tpu),
+}
+# The command of a result file that does not record its own.
+COMMANDS = {
+    "gpu_static_3b.json": "python -m laplace_jax.tools.gpu_check --shape 3b --sweep --blocks --out "
+    "benchmarks/results/gpu_static_3b.json",
+    "plan_3b.json": "python train.py --config configs/3b.py --plan --json > benchmarks/results/plan_3b.json",
+    **{
+        f"recall_mqar_{v}.json": "python -m laplace_jax.eval recall --checkpoint runs/recall_1x runs/recall_4x "
+        "--suite mqar --lengths 128 256 512 1024 2048 4096 8192 --levels 1 2 4 8 16 32 64 128 256 --samples 16"
+        for v in ("1x", "4x")
+    },
 }
 BLOCK = re.compile(r"(<!-- table:([\w\-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 
@@ -292,7 +553,7 @@ def render(name: str, root: str = ".") -> str:
             datas.append(json.load(f))
     lines = fn(*datas)
     pairs = zip(files, datas, strict=True)
-    sources = "; ".join(f"`{RESULTS}/{file}`, written by `{d['command']}`" for file, d in pairs)
+    sources = "; ".join(f"`{RESULTS}/{file}`, written by `{d.get('command') or COMMANDS[file]}`" for file, d in pairs)
     lines += ["", f"From {sources}."]
     return "\n".join(lines) + "\n"
 
