@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 from collections.abc import Callable
 
@@ -498,6 +499,228 @@ def _recall_grid(r: dict) -> list[str]:
     return _grid(["N \\ length", *map(str, lengths)], rows)
 
 
+def _ms_cell(s: float, digits: int = 1) -> str:
+    return f"{s * 1e3:,.{digits}f} ms"
+
+
+def _serve_concurrency(r: dict) -> list[str]:
+    ((config, x),) = r["configs"].items()
+    fmt = ",.0f" if config == "tiny" else ",.1f"
+    rows = [
+        [c, f"{v['output_throughput']:{fmt}}", _ms_cell(v["tpot_s"]["median"]), _ms_cell(v["tpot_s"]["p99"])]
+        for c, v in x["concurrency"].items()
+    ]
+    return _grid(["concurrency", "output tok/s", "TPOT p50", "TPOT p99"], rows)
+
+
+def _serve_context(r: dict) -> list[str]:
+    rows = [
+        [f"{int(n):,}", _ms_cell(v["tpot_median_s"], 2), _ms_cell(v["cost_per_output_token_s"], 2)]
+        for n, v in r["configs"]["tiny"]["context"].items()
+        if n.isdigit()
+    ]
+    return _grid(["prompt tokens", "TPOT p50 (HTTP)", "cost per output token incl. prefill"], rows)
+
+
+DECODE_COST_LABELS = {"tiny": "tiny (d 128, 2 layers)", "small_100m": "small_100m (d 768, 14 layers)"}
+
+
+def _decode_cost(r: dict) -> list[str]:
+    rows = []
+    for config, x in r["configs"].items():
+        this, base = x["this_call_s"], x["baseline_call_s"]
+        cells = [_ms_cell(this, 2 if this < 0.1 else 1), _ms_cell(base, 2 if base < 0.1 else 1)]
+        rows.append([DECODE_COST_LABELS[config], *cells, f"{x['ratio_median']:.3f}"])
+    return _grid(["config", "decode call, this", "before", "ratio (median of 15 rounds)"], rows)
+
+
+def _prefix_cache(r: dict) -> list[str]:
+    rows = []
+    for config, v in r["configs"].items():
+        x = v["prefix_cache"]
+        ttft = [_ms_cell(x[k]["shared_prefix"]["ttft_rest_median_s"]) for k in ("off", "on")]
+        rate = [statistics.median(x[k]["no_sharing_output_throughput"]) for k in ("off", "on")]
+        rates = " / ".join(f"{t:,.0f}" if t > 1000 else f"{t:.1f}" for t in rate)
+        label = "tiny" if config == "tiny" else "~100M"
+        rows.append([label, *ttft, f"**{x['ttft_hit_over_miss']:.3f}**", rates, f"{x['throughput_on_over_off']:.3f}"])
+    head = ["model", "TTFT, cache off", "TTFT, cache on (hit)", "hit / miss"]
+    return _grid([*head, "no-sharing output tok/s, off / on (medians of 5)", "on / off"], rows)
+
+
+def _prefix_turns(r: dict) -> list[str]:
+    """The chat's ids per turn; the models must agree (the table says "both models alike")."""
+    keys = ("prompt_tokens", "new_tokens", "prefilled_tokens", "restored_tokens")
+    per_model = [
+        [[t[k] for k in keys] for label in ("off", "on") for t in v["prefix_cache"][label]["multi_turn"]]
+        for v in r["configs"].values()
+    ]
+    if any(m != per_model[0] for m in per_model):
+        raise SystemExit("prefix_cache_cpu.json: the models' chat counts differ; the table assumes they agree")
+    first = next(iter(r["configs"].values()))["prefix_cache"]
+    rows = [
+        [
+            str(i + 1),
+            f"{on['prompt_tokens']:,}",
+            f"{on['new_tokens']:,}",
+            f"{off['prefilled_tokens']:,.0f}",
+            f"{on['prefilled_tokens']:,.0f}",
+            f"{on['restored_tokens']:,.0f}",
+        ]
+        for i, (off, on) in enumerate(zip(first["off"]["multi_turn"], first["on"]["multi_turn"], strict=True))
+    ]
+    head = ["turn", "prompt ids", "new ids", "prefilled, cache off", "prefilled, cache on", "restored from the cache"]
+    return _grid(head, rows)
+
+
+DECODE_ROWS = (  # file (one of the table's inputs, in order), label, width, bold
+    (0, "before wave 3 (fp32 / fp32, state as the layer scan's xs/ys)", 256, False),
+    (1, "fp32 / fp32", 256, True),
+    (1, "fp32 / fp32", 1, False),
+    (2, "bf16 / bf16 (accelerator serving)", 256, True),
+    (2, "bf16 / bf16", 1, False),
+    (2, "bf16 / bf16", 1024, False),
+    (3, "bf16 / fp32", 256, True),
+    (4, "fp32 / bf16", 256, True),
+    (5, "bf16 / bf16, packed (serving's CPU form)", 256, True),
+    (6, "bf16 / bf16, XLA:CPU's default schedule", 256, False),
+)
+DECODE_FILES = (
+    "decode_memory_3b_fp32_before.json",
+    "decode_memory_3b_fp32.json",
+    "decode_memory_3b_bf16.json",
+    "decode_memory_3b_bf16w_fp32c.json",
+    "decode_memory_3b_fp32w_bf16c.json",
+    "decode_memory_3b_bf16_packed.json",
+    "decode_memory_3b_bf16_concurrent_schedule.json",
+)
+
+
+def _decode_memory(*reports: dict) -> list[str]:
+    rows = []
+    for i, label, width, bold in DECODE_ROWS:
+        d = next(d for d in reports[i]["decode"] if d["width"] == width)
+        temp = f"{d['temporaries_bytes'] / GiB:.2f} GiB"
+        rows.append(
+            [
+                label,
+                f"{width:,}",
+                f"**{temp}**" if bold else temp,
+                f"{d['state_bytes'] / 1e9:.2f} GB",
+                f"{d['bytes_over_min']:.3f}",
+            ]
+        )
+    return _grid(["weights / compute", "W", "temporaries", "state", 'XLA "bytes accessed" / minimum'], rows)
+
+
+def _sampler(now: dict, before: dict) -> list[str]:
+    rows = []
+    for report, label, bold in (
+        (now, "`lax.top_k` over 1,024 candidates (now)", True),
+        (before, "full sort of every row (before; `sampler_3b_before.json`)", False),
+    ):
+        for i, keys in enumerate(("threefry2x32", "rbg (Neuron)")):
+            x = report["sampler"][i]
+            share = f"{100 * x['share_of_bytes']:.1f}%"
+            name = label if i == 0 or report is now else "full sort of every row (before)"
+            rows.append(
+                [
+                    name,
+                    keys if report is now else keys.split(" ")[0],
+                    f"{x['sampler_bytes_accessed'] / 1e9:.3f} GB",
+                    f"**{share}**" if bold else share,
+                    f"{100 * x['share_of_flops']:.2f}%",
+                ]
+            )
+    return _grid(["sampler", "keys", "bytes accessed", "share of bytes", "share of FLOPs"], rows)
+
+
+def _roofline(one: dict, eight: dict) -> list[str]:
+    def cells(buckets: dict) -> list[str]:
+        return [
+            " / ".join(f"{b['tokens_per_s']:,.0f}" for b in buckets.values()),
+            " / ".join(f"{b['fraction_of_bandwidth']:.1%}" for b in buckets.values()),
+        ]
+
+    rows = [
+        ["~100M, 1", w, f"{b['tokens_per_s']:,.0f}", f"{b['fraction_of_bandwidth']:.1%}"]
+        for w, b in one["configs"]["small_100m"]["roofline"]["buckets"].items()
+    ]
+    tiny = one["configs"]["tiny"]["roofline"]["buckets"]
+    rows.append(["tiny, 1", " / ".join(tiny), *cells(tiny)])
+    tiny8 = eight["configs"]["tiny"]["roofline"]["buckets"]
+    rows.append(["tiny, 8 fake", " / ".join(tiny8), *cells(tiny8)])
+    return _grid(["model, devices", "W per device", "decode tok/s", "fraction of the roofline"], rows)
+
+
+def _http_8dev(r: dict) -> list[str]:
+    c = r["configs"]["tiny"]["concurrency"]
+    rows = [
+        ["output tok/s", *(f"{v['output_throughput']:,.0f}" for v in c.values())],
+        ["TPOT p50", *(_ms_cell(v["tpot_s"]["median"]) for v in c.values())],
+    ]
+    return _grid(["concurrency", *c], rows)
+
+
+def _soak(base: dict, long: dict, nocache: dict) -> list[str]:
+    def rss(r: dict) -> str:
+        return f"{r['rss_growth_mb']:.1f} MB ({r['rss_before_mb']:.1f} -> {r['rss_after_mb']:.1f} MB)"
+
+    o = base["outcomes"]
+    counts = f"{o['valid:ok']:,} / {o['disconnect:disconnected']:,} / {o['invalid:refused']:,}"
+    sent = base["requests"]
+    rows = [
+        ["requests (valid / disconnecting / invalid)", counts],
+        ["outcomes as expected (finished / left mid-stream / refused with a 4xx envelope)", counts],
+        ["errors by kind (5xx, wrong 4xx, streams without `[DONE]`, transport errors)", f"{base['errors_total']:,}"],
+        ["leaked slots after the run (`laplace:num_requests_running`)", f"{base['leaked_slots']:.0f}"],
+        ["compiles after warmup (JAX events, phase `serving`)", f"{base['compiles_after_warmup']:,}"],
+        ["engine restarts", f"{base['engine_restarts']:.0f}"],
+        [f"server RSS growth over {sent:,} requests", rss(base)],
+        [
+            "prefix-cache bytes held at the end (states + 4 KiB per entry)",
+            f"{base['prefix_cache_bytes_after'] / 1e6:.1f} MB",
+        ],
+        [f"server RSS growth over {long['requests']:,} requests (second run)", rss(long)],
+        ["prefix-cache bytes held at the end of that run", f"{long['prefix_cache_bytes_after'] / 1e6:.1f} MB"],
+        [f"server RSS growth over {nocache['requests']:,} requests, `--prefix-cache-bytes 0`", rss(nocache)],
+        ["wall time", f"{base['duration_s']:.1f} s"],
+    ]
+    return _grid(["measure", "result"], rows)
+
+
+def _compile_share(r: dict) -> list[str]:
+    rows = []
+    for mode, label in (("pow2", "pow2 buckets"), ("exact", "exact (compile per new width)")):
+        x = r["configs"]["tiny"]["compile_share"][mode]
+        share = f"{100 * x['compile_share_of_decode_time']:.1f}%"
+        rows.append([label, f"{x['serving_compiles']:.0f}", share, _ms_cell(x["tpot_p99_s"])])
+    return _grid(["decode widths", "serving compiles", "share of decode time compiling", "TPOT p99"], rows)
+
+
+NUMERICS_ROWS = (  # label, report key, whether the argmax agreement is quoted
+    ("bf16 compute, jit vs op-by-op, RMS relative error (argmax agreement)", "jit_vs_eager_bf16", True),
+    ("fp32 compute, jit vs op-by-op", "jit_vs_eager", False),
+    ("fp32 vs bf16 compute (argmax agreement)", "fp32_vs_bf16", True),
+    ("chunked vs recurrent, fp32", "chunk_vs_recurrent", False),
+)
+
+
+def _numerics_exact(default: dict, exact: dict) -> list[str]:
+    def cell(x: dict, with_argmax: bool) -> str:
+        err = "**0.0**" if x["rms_rel"] == 0 else _sci(x["rms_rel"])
+        agree = "100%" if x["argmax_agree"] == 1 else f"{x['argmax_agree']:.1%}"
+        return f"{err} ({agree})" if with_argmax else err
+
+    def greedy(r: dict) -> str:
+        g = r["greedy_fp32_vs_bf16"]
+        return "all agree" if g["agree"] == 1 else f"{round(g['agree'] * g['steps'])} of {g['steps']} agree"
+
+    rows = [[label, cell(default[k], a), cell(exact[k], a)] for label, k, a in NUMERICS_ROWS]
+    steps = default["greedy_fp32_vs_bf16"]["steps"]
+    rows.append([f"greedy decode, fp32 vs bf16, {steps} tokens", greedy(default), greedy(exact)])
+    return _grid(["", "default", "`--exact`"], rows)
+
+
 # name -> (JSON files under benchmarks/results, renderer taking their contents in that order)
 TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "headlines": (
@@ -518,6 +741,19 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "plan_cost": (("plan_3b.json",), _plan_cost),
     "recall_1x": (("recall_mqar_1x.json",), _recall_grid),
     "recall_4x": (("recall_mqar_4x.json",), _recall_grid),
+    "serve_tiny_concurrency": (("serve_cpu_tiny.json",), _serve_concurrency),
+    "serve_tiny_context": (("serve_cpu_tiny.json",), _serve_context),
+    "decode_cost": (("decode_cost.json",), _decode_cost),
+    "prefix_cache": (("prefix_cache_cpu.json",), _prefix_cache),
+    "prefix_turns": (("prefix_cache_cpu.json",), _prefix_turns),
+    "decode_memory": (DECODE_FILES, _decode_memory),
+    "sampler": (("sampler_3b.json", "sampler_3b_before.json"), _sampler),
+    "roofline": (("serve_cpu_roofline.json", "serve_cpu_8dev.json"), _roofline),
+    "http_8dev": (("serve_cpu_8dev.json",), _http_8dev),
+    "soak": (("soak_cpu_tiny.json", "soak_cpu_tiny_6000.json", "soak_cpu_tiny_nocache.json"), _soak),
+    "serve_100m_concurrency": (("serve_cpu_100m.json",), _serve_concurrency),
+    "compile_share": (("serve_cpu_tiny.json",), _compile_share),
+    "numerics_exact": (("numerics_recall_1x.json", "numerics_recall_1x_exact.json"), _numerics_exact),
     "tpu_programs": (("tpu_programs.json",), _tpu_programs),
     "tpu_train": (("tpu_programs.json",), _tpu_train),
     "tpu_sources": (("tpu_programs.json",), _tpu_sources),
@@ -534,6 +770,10 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
 COMMANDS = {
     "gpu_static_3b.json": "python -m laplace_jax.tools.gpu_check --shape 3b --sweep --blocks --out "
     "benchmarks/results/gpu_static_3b.json",
+    "serve_cpu_100m.json": "python -m benchmarks.bench_serve --configs small_100m --out "
+    "benchmarks/results/serve_cpu_100m.json",
+    "numerics_recall_1x.json": "python -m laplace_jax.eval numerics --checkpoint runs/recall_1x",
+    "numerics_recall_1x_exact.json": "python -m laplace_jax.eval numerics --checkpoint runs/recall_1x --exact",
     "plan_3b.json": "python train.py --config configs/3b.py --plan --json > benchmarks/results/plan_3b.json",
     **{
         f"recall_mqar_{v}.json": "python -m laplace_jax.eval recall --checkpoint runs/recall_1x runs/recall_4x "
