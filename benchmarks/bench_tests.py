@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         rc = subprocess.call(cmd)
         wall = time.perf_counter() - t0
+        if not os.path.exists(report):  # pytest stopped before running anything (its usage error is above)
+            print(f"pytest wrote no report (exit {rc}): check --pytest-args", file=sys.stderr)
+            return rc or 1
         r = read_report(report)
     slow = sorted(r["cases"], key=lambda c: -c["seconds"])[: a.slowest]
     res = {
