@@ -1,14 +1,17 @@
 """Suite-wide setup: eight fake CPU devices, and JAX's compiled programs released after each module."""
 
+import gc
 import os
 
-# Fake CPU devices for mesh tests; must be set before jax is imported anywhere.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import gc
-
 import pytest
+
+# Fake CPU devices for mesh tests; must be set before jax is imported anywhere. Added to any
+# XLA_FLAGS already set (a user's, or the one laplace_jax sets when a harness imported it first)
+# unless that already fixes the device count.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 @pytest.fixture(autouse=True, scope="module")
