@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 from benchmarks import tables
 from benchmarks.not_measured import NOT_MEASURED
+from benchmarks.tables import GiB, _ms_cell, _sci, _width
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GiB = 2**30
 DEVELOPMENT = "docs/development.md"
 MODEL = "docs/model.md"
 KERNELS = "docs/kernels.md"
@@ -32,12 +32,20 @@ EVALUATION = "docs/evaluation.md"
 DOCUMENTS = ("README.md", "BENCHMARKS.md", DEVELOPMENT, MODEL, KERNELS, TRAINING, SERVING, ACCELERATORS, EVALUATION)
 
 
+def _pol(r: dict, name: str) -> dict:
+    return next(p for p in r["policies"] if p["remat"] == name)
+
+
 def _policy(name: str) -> Callable[[dict], str]:
-    return lambda r: f"{next(p for p in r['policies'] if p['remat'] == name)['memory']['temporaries'] / GiB:.1f} GiB"
+    return lambda r: f"{_pol(r, name)['memory']['temporaries'] / GiB:.1f} GiB"
 
 
 def _decode(width: int) -> Callable[[dict], str]:
-    return lambda r: f"{next(d for d in r['decode'] if d['width'] == width)['temporaries_bytes'] / GiB:.2f} GiB"
+    return lambda r: f"{_width(r, width)['temporaries_bytes'] / GiB:.2f} GiB"
+
+
+def _state(r: dict, width: int) -> str:
+    return f"{_width(r, width)['state_bytes'] / 1e9:.2f} GB"
 
 
 _VS_RECURRENT = "vs_jax_grad_recurrent_max"
@@ -46,12 +54,6 @@ _VS_RECURRENT = "vs_jax_grad_recurrent_max"
 def _kernel_memory(r: dict, sep: str) -> str:
     """ "11.0 GiB (29x" / "11.0 GiB, 29x": a kernel report's temporaries and their ratio to I/O."""
     return f"{r['kernel']['temporaries_bytes'] / GiB:.1f} GiB{sep}{r['kernel']['temporaries_over_io']:.0f}x"
-
-
-def _sci(x: float) -> str:
-    """1.2e-7 style (the way the README writes small errors)."""
-    mantissa, exp = f"{x:.1e}".split("e")
-    return f"{mantissa}e{int(exp)}"
 
 
 def _grads(r: dict, kernel: str) -> dict:
@@ -180,10 +182,6 @@ CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
 ]
 
 
-def _ms(x: float, digits: int = 1) -> str:
-    return f"{x * 1e3:.{digits}f} ms"
-
-
 def _roof_cells(r: dict, config: str) -> str:
     """ "2,166 / 5,084 / 8,052 | 30.4% / 19.6% / 10.6%": tok/s and roofline fractions over buckets."""
     b = r["configs"][config]["roofline"]["buckets"]
@@ -201,12 +199,12 @@ SERVE_CLAIMS: list[tuple[str, str, Callable[[dict], str]]] = [
     (
         "BENCHMARKS.md",
         "serve_cpu_tiny.json",
-        lambda r: f"takes {_ms(r['configs']['tiny']['decode_step_vs_context']['128'], 2)}",
+        lambda r: f"takes {_ms_cell(r['configs']['tiny']['decode_step_vs_context']['128'], 2)}",
     ),
     (
         "BENCHMARKS.md",
         "serve_cpu_tiny.json",
-        lambda r: f"and {_ms(r['configs']['tiny']['decode_step_vs_context']['8192'], 2)} after 8,192",
+        lambda r: f"and {_ms_cell(r['configs']['tiny']['decode_step_vs_context']['8192'], 2)} after 8,192",
     ),
     ("BENCHMARKS.md", "serve_cpu_tiny.json", lambda r: f"warm {r['configs']['tiny']['time_to_ready']['warm']:.1f} s"),
     (
@@ -286,7 +284,7 @@ CLAIMS += [
 
 
 def _w1024(r: dict) -> str:
-    d = next(d for d in r["decode"] if d["width"] == 1024)
+    d = _width(r, 1024)
     args = d["weights_bytes"] + d["state_bytes"]
     return (
         f"{d['temporaries_bytes'] / GiB:.2f} GiB of temporaries on {args / 1e9:.1f} GB of arguments "
@@ -398,14 +396,6 @@ CLAIMS += [
     (DEVELOPMENT, "tests_cpu.json", lambda r: f"included: {r['passed']} passed in {r['wall_s']:,.0f} s on 2 CPU cores"),
     *((DEVELOPMENT, "tests_cpu.json", lambda r, i=i: f" {r['slowest'][i]['seconds']:.1f} s") for i in range(5)),
 ]
-
-
-def _state(r: dict, width: int) -> str:
-    return f"{next(d for d in r['decode'] if d['width'] == width)['state_bytes'] / 1e9:.2f} GB"
-
-
-def _pol(r: dict, name: str) -> dict:
-    return next(p for p in r["policies"] if p["remat"] == name)
 
 
 CLAIMS += [

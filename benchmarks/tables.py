@@ -35,6 +35,30 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:,.2f} ms" if s < 0.01 else f"{s * 1e3:,.1f} ms"
 
 
+def _ms_cell(s: float, digits: int = 1) -> str:
+    """Milliseconds at a fixed number of decimals (a table column's unit)."""
+    return f"{s * 1e3:,.{digits}f} ms"
+
+
+def _sci(x: float) -> str:
+    """1.2e-7 style: one decimal, no padded exponent."""
+    mantissa, exp = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exp)}"
+
+
+def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table: the header, its rule, one line per row."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(c) + " |" for c in rows]
+
+
+def _width(report: dict, width: int) -> dict:
+    """A decode-memory report's entry for one decode width."""
+    return next(d for d in report["decode"] if d["width"] == width)
+
+
+GiB = 2**30
+
+
 def _gib(b: float) -> str:
     return f"{b / 2**30:.2f} GiB"
 
@@ -232,50 +256,46 @@ def _headlines(first_run: dict, sweep: dict, tpu: dict, decode: dict, muon: dict
     kernel = {(x["chip"], x["program"].rsplit(", ", 1)[1]): x for x in tpu["rows"]["kernel"]}
     fwd, both = kernel["v5e", "forward"], kernel["v5e", "forward + backward"]
     step = next(x for x in tpu["rows"]["decode"] if x["program"] == "decode_step W=256, bf16 weights")
-    w256 = next(x for x in decode["decode"] if x["width"] == 256)
-    rows = ["| what | figure | measured how |", "|---|---|---|"]
-    rows.append(
-        f"| first command: `configs/tiny.py`, 300 steps | eval loss {first_run['final_eval_loss']:.2f} nats/byte "
-        f"in {first_run['wall_s'] / 60:.1f} min | 2 CPU cores |"
-    )
-    rows.append(
-        "| GLA gradients (both kernels) vs a float64 recurrence, decays -0.01 to -16 nats/token | worst "
-        f"{worst:.1e} relative | CPU, fp32 |".replace("e-0", "e-")
-    )
-    rows.append(
-        f"| GLA kernel at the 3B layer (B4 T4096 H16), bf16 | forward {_ms(fwd['estimate_s'])}, forward + backward "
-        f"{_ms(both['estimate_s'])} ({fwd['estimate_over_limit']:.1f}x and {both['estimate_over_limit']:.1f}x "
-        "their hand-counted limits) | TPU v5e, the compiler's estimate (no TPU ran) |"
-    )
-    rows.append(
-        f"| 3B decode step, 256 sequences, bf16 | {_ms(step['estimate_s'])} ({step['estimate_over_limit']:.2f}x "
-        "its hand-counted memory limit) | TPU v5p, the compiler's estimate |"
-    )
-    rows.append(
-        f"| 3B decode step temporaries, 256 sequences | {_gib(w256['temporaries_bytes'])} beside a "
-        f"{w256['state_bytes'] / 1e9:.2f} GB state | XLA:CPU compile |"
-    )
+    w256 = _width(decode, 256)
     bf16 = muon["bfloat16"]
-    rows.append(
-        f"| Muon's two all-to-alls, 3B on 64 ranks, bf16 payload | {bf16['all_to_all_bytes_per_rank'] / 1e9:.3f} GB "
-        f"per rank per step, {bf16['reduction_vs_gather']:.0f}x less than gathering | compiled HLO |"
-    )
-    return rows
+    rows = [
+        [
+            "first command: `configs/tiny.py`, 300 steps",
+            f"eval loss {first_run['final_eval_loss']:.2f} nats/byte in {first_run['wall_s'] / 60:.1f} min",
+            "2 CPU cores",
+        ],
+        [
+            "GLA gradients (both kernels) vs a float64 recurrence, decays -0.01 to -16 nats/token",
+            f"worst {_sci(worst)} relative",
+            "CPU, fp32",
+        ],
+        [
+            "GLA kernel at the 3B layer (B4 T4096 H16), bf16",
+            f"forward {_ms(fwd['estimate_s'])}, forward + backward {_ms(both['estimate_s'])} "
+            f"({fwd['estimate_over_limit']:.1f}x and {both['estimate_over_limit']:.1f}x their hand-counted limits)",
+            "TPU v5e, the compiler's estimate (no TPU ran)",
+        ],
+        [
+            "3B decode step, 256 sequences, bf16",
+            f"{_ms(step['estimate_s'])} ({step['estimate_over_limit']:.2f}x its hand-counted memory limit)",
+            "TPU v5p, the compiler's estimate",
+        ],
+        [
+            "3B decode step temporaries, 256 sequences",
+            f"{_gib(w256['temporaries_bytes'])} beside a {w256['state_bytes'] / 1e9:.2f} GB state",
+            "XLA:CPU compile",
+        ],
+        [
+            "Muon's two all-to-alls, 3B on 64 ranks, bf16 payload",
+            f"{bf16['all_to_all_bytes_per_rank'] / 1e9:.3f} GB per rank per step, "
+            f"{bf16['reduction_vs_gather']:.0f}x less than gathering",
+            "compiled HLO",
+        ],
+    ]
+    return _grid(["what", "figure", "measured how"], rows)
 
 
 # ----- BENCHMARKS.md's tables ------------------------------------------------------------------
-GiB = 2**30
-
-
-def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
-    """A markdown table: the header, its rule, one line per row."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(c) + " |" for c in rows]
-
-
-def _sci(x: float) -> str:
-    """1.2e-7 style: one decimal, no padded exponent."""
-    mantissa, exp = f"{x:.1e}".split("e")
-    return f"{mantissa}e{int(exp)}"
 
 
 GLA_ROWS = (
@@ -492,15 +512,11 @@ def _plan_cost(r: dict) -> list[str]:
 
 
 def _recall_grid(r: dict) -> list[str]:
-    lengths = sorted({c["length"] for c in r.values() if isinstance(c, dict) and "length" in c})
-    levels = sorted({c["level"] for c in r.values() if isinstance(c, dict) and "level" in c})
-    cells = {(c["level"], c["length"]): c["accuracy"] for c in r.values() if isinstance(c, dict) and "length" in c}
+    """Accuracy per (N pairs, context length); the report's values are its cells."""
+    cells = {(c["level"], c["length"]): c["accuracy"] for c in r.values()}
+    lengths, levels = sorted({t for _, t in cells}), sorted({n for n, _ in cells})
     rows = [[str(n), *(f"{cells[n, t]:.2f}" if (n, t) in cells else "" for t in lengths)] for n in levels]
     return _grid(["N \\ length", *map(str, lengths)], rows)
-
-
-def _ms_cell(s: float, digits: int = 1) -> str:
-    return f"{s * 1e3:,.{digits}f} ms"
 
 
 def _serve_concurrency(r: dict) -> list[str]:
@@ -598,7 +614,7 @@ DECODE_FILES = (
 def _decode_memory(*reports: dict) -> list[str]:
     rows = []
     for i, label, width, bold in DECODE_ROWS:
-        d = next(d for d in reports[i]["decode"] if d["width"] == width)
+        d = _width(reports[i], width)
         temp = f"{d['temporaries_bytes'] / GiB:.2f} GiB"
         rows.append(
             [
@@ -612,25 +628,21 @@ def _decode_memory(*reports: dict) -> list[str]:
     return _grid(["weights / compute", "W", "temporaries", "state", 'XLA "bytes accessed" / minimum'], rows)
 
 
-def _sampler(now: dict, before: dict) -> list[str]:
+SAMPLER_ROWS = (  # report (0: now, 1: before), key type (0: threefry, 1: rbg), label, keys, bold share
+    (0, 0, "`lax.top_k` over 1,024 candidates (now)", "threefry2x32", True),
+    (0, 1, "`lax.top_k` over 1,024 candidates (now)", "rbg (Neuron)", True),
+    (1, 0, "full sort of every row (before; `sampler_3b_before.json`)", "threefry2x32", False),
+    (1, 1, "full sort of every row (before)", "rbg", False),
+)
+
+
+def _sampler(*reports: dict) -> list[str]:
     rows = []
-    for report, label, bold in (
-        (now, "`lax.top_k` over 1,024 candidates (now)", True),
-        (before, "full sort of every row (before; `sampler_3b_before.json`)", False),
-    ):
-        for i, keys in enumerate(("threefry2x32", "rbg (Neuron)")):
-            x = report["sampler"][i]
-            share = f"{100 * x['share_of_bytes']:.1f}%"
-            name = label if i == 0 or report is now else "full sort of every row (before)"
-            rows.append(
-                [
-                    name,
-                    keys if report is now else keys.split(" ")[0],
-                    f"{x['sampler_bytes_accessed'] / 1e9:.3f} GB",
-                    f"**{share}**" if bold else share,
-                    f"{100 * x['share_of_flops']:.2f}%",
-                ]
-            )
+    for which, i, label, keys, bold in SAMPLER_ROWS:
+        x = reports[which]["sampler"][i]
+        share = f"{100 * x['share_of_bytes']:.1f}%"
+        bytes_ = f"{x['sampler_bytes_accessed'] / 1e9:.3f} GB"
+        rows.append([label, keys, bytes_, f"**{share}**" if bold else share, f"{100 * x['share_of_flops']:.2f}%"])
     return _grid(["sampler", "keys", "bytes accessed", "share of bytes", "share of FLOPs"], rows)
 
 

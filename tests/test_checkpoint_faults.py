@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import micro_config
+from helpers import ROOT, micro_config
 
 from laplace_jax.checkpoint import CHECKSUMS, damage, load_trained
 from laplace_jax.errors import CheckpointError
@@ -112,7 +112,6 @@ def test_kill_9_during_checkpoint_writes_then_rerun_resumes_exactly(tmp_path, co
     """train.py writing a checkpoint every step is killed with SIGKILL mid-run; the rerun resumes
     from the last complete checkpoint and ends with the losses of an uninterrupted run. Also with
     each sequence split over 2 devices (mesh.context=2)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = ["--config", "configs/tiny.py", "--config.train.steps=40", "--config.train.ckpt_every=1"]
     args += ["--config.train.eval_every=0", "--config.data.embedded_max_chars=300000"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -120,11 +119,11 @@ def test_kill_9_during_checkpoint_writes_then_rerun_resumes_exactly(tmp_path, co
         args += [f"--config.mesh.context={context}", "--config.mesh.fsdp=1"]
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={context}"
     straight = subprocess.run(
-        [sys.executable, "train.py", *args, f"--workdir={tmp_path / 'a'}"], cwd=root, env=env, capture_output=True
+        [sys.executable, "train.py", *args, f"--workdir={tmp_path / 'a'}"], cwd=ROOT, env=env, capture_output=True
     )
     assert straight.returncode == 0, straight.stderr[-2000:]
     proc = subprocess.Popen(
-        [sys.executable, "train.py", *args, f"--workdir={tmp_path / 'b'}"], cwd=root, env=env,
+        [sys.executable, "train.py", *args, f"--workdir={tmp_path / 'b'}"], cwd=ROOT, env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -140,7 +139,7 @@ def test_kill_9_during_checkpoint_writes_then_rerun_resumes_exactly(tmp_path, co
     killed_at = newest()
     assert killed_at < 40
     again = subprocess.run(
-        [sys.executable, "train.py", *args, f"--workdir={tmp_path / 'b'}"], cwd=root, env=env, capture_output=True
+        [sys.executable, "train.py", *args, f"--workdir={tmp_path / 'b'}"], cwd=ROOT, env=env, capture_output=True
     )
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed from step {killed_at}".encode() in again.stdout + again.stderr

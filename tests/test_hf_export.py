@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import micro_config
+from helpers import ROOT, TESTS, micro_config
 
 from laplace_jax.convert import load_fla, main
 from laplace_jax.data.tokenizer import ByteTokenizer
@@ -25,7 +25,6 @@ from laplace_jax.loading import load_for_inference
 from laplace_jax.models.gla_lm import forward
 from laplace_jax.train.loop import run
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = """
 import json, sys, warnings
 warnings.filterwarnings("ignore")
@@ -70,7 +69,7 @@ def exported(tmp_path_factory):
     )
     assert main(["to-fla", str(base / "run"), str(base / "hf"), "--step", "6"]) == 0
     job = random_job()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]))
     child = subprocess.run(
         [sys.executable, "-c", CHILD, str(base / "hf"), json.dumps(job)],
         env=env, capture_output=True, text=True, timeout=600,
