@@ -2,10 +2,12 @@
 JSON, and a table edited by hand or a result re-measured without regenerating is caught."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 
 def _check(cwd=None) -> subprocess.CompletedProcess:
@@ -47,3 +49,27 @@ def test_a_result_changed_without_regenerating_is_caught(tmp_path):
     path.write_text(json.dumps(r))
     bad = _check(root)
     assert bad.returncode == 1 and "BENCHMARKS.md" in bad.stdout and "README.md" not in bad.stdout
+
+
+def test_benchmarks_md_regenerates_byte_identical_from_the_json(tmp_path):
+    """Every table body of BENCHMARKS.md emptied, then regenerated: the committed file comes back byte for byte."""
+    root = _copy(tmp_path)
+    text = (root / "BENCHMARKS.md").read_text()
+    emptied = re.sub(r"(<!-- table:([\w\-]+) -->\n).*?(<!-- /table:\2 -->)", r"\1\3", text, flags=re.S)
+    assert emptied.count("<!-- table:") >= 20 and len(emptied) < 0.75 * len(text)
+    (root / "BENCHMARKS.md").write_text(emptied)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.tables"], capture_output=True, text=True, cwd=root)
+    assert run.returncode == 0, run.stderr
+    assert (root / "BENCHMARKS.md").read_bytes() == Path("BENCHMARKS.md").read_bytes()
+
+
+def test_every_result_is_rendered_and_every_table_is_placed():
+    """No committed JSON without a table (evidence nobody reads), no table no doc shows."""
+    from benchmarks import tables
+
+    rendered = {f for files, _ in tables.TABLES.values() for f in files}
+    assert sorted(set(os.listdir(tables.RESULTS)) - rendered) == []
+    placed = set()
+    for doc in tables.DOCS:
+        placed |= {m.group(2) for m in tables.BLOCK.finditer(Path(doc).read_text())}
+    assert sorted(set(tables.TABLES) - placed) == []
