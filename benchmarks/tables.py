@@ -11,6 +11,7 @@ path is written under the table with the command that produced it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -66,11 +67,23 @@ def _width(report: dict, width: int) -> dict:
     return next(d for d in report["decode"] if d["width"] == width)
 
 
+def _sweep_worst(sweep: dict, kinds: tuple[str, ...]) -> float:
+    """The decay sweep's worst relative gradient error of either kernel, over every decay and gradient."""
+    return max(
+        e[kind]
+        for d in sweep["decays"].values()
+        for gradients in (d["chunk"], d["pallas"])
+        for e in gradients.values()
+        for kind in kinds
+        if kind in e
+    )
+
+
 GiB = 2**30
 
 
 def _gib(b: float) -> str:
-    return f"{b / 2**30:.2f} GiB"
+    return f"{b / GiB:.2f} GiB"
 
 
 def _mesh(sizes: dict) -> str:
@@ -256,13 +269,7 @@ def _attention_tpu(r: dict) -> list[str]:
 
 def _headlines(first_run: dict, sweep: dict, tpu: dict, decode: dict, muon: dict) -> list[str]:
     """README's short list: one figure per part of the product, each read from its JSON."""
-    worst = max(
-        e[kind]
-        for d in sweep["decays"].values()
-        for grads in (d["chunk"], d["pallas"])
-        for e in grads.values()
-        for kind in ("per_element", "summed")
-    )
+    worst = _sweep_worst(sweep, ("per_element", "summed"))
     kernel = {(x["chip"], x["program"].rsplit(", ", 1)[1]): x for x in tpu["rows"]["kernel"]}
     fwd, both = kernel["v5e", "forward"], kernel["v5e", "forward + backward"]
     step = next(x for x in tpu["rows"]["decode"] if x["program"] == "decode_step W=256, bf16 weights")
@@ -836,58 +843,71 @@ def _numerics_exact(default: dict, exact: dict) -> list[str]:
     return _grid(["", "default", "`--exact`"], rows)
 
 
-TOLERANCES = (  # comparison, the bound its test asserts
+TOLERANCES = (  # comparison, the bound its test asserts, the measured cell (None: "passes", nothing stored)
     (
         "`chunk_gla` (XLA and Pallas kernels) and `recurrent_gla` (fp32) vs the float64 recurrence, T in "
         "{1, 100, 128, 300, 2048} (Pallas, interpreted: {100, 128, 2048}), weak and strong decay (per-token "
         "log-decay down to -50), with and without an initial state",
         "max abs error <= 1e-4 x max abs output",
+        "forward",
     ),
     (
         "gradients of `chunk_gla`, both kernels (hand-written backwards: dq, dk, dv, dg, d initial state; output "
         "and final-state cotangents) vs the float64 reverse-time gradient, T=150",
         "same bound",
+        "gradients",
     ),
     (
         "gate gradient across decays: all five gradients of both kernels vs float64 torch autograd, per-token "
         "log-decay -0.01, -0.1, -1, -4, -8, -16 and mixed per channel, T=150",
         "per element <= 2e-6, summed over positions <= 1e-5, dg per channel <= 2e-6",
+        "decays",
     ),
     (
         "whole 2-layer model, gate normalizer 1 and gate bias -4 (~4 nats/token), every parameter's gradient vs "
         "float64 torch autograd",
         "2e-5 relative",
+        None,
     ),
-    ("same gradients vs `jax.grad` of `recurrent_gla`, fp32, T=300", "same bound"),
+    ("same gradients vs `jax.grad` of `recurrent_gla`, fp32, T=300", "same bound", "vs_recurrent"),
     (
         "`jax.test_util.check_grads` (finite differences, reverse mode) of `chunk_gla`, both kernels, with "
         "initial state",
         "atol = rtol = 2e-2 (fp32 finite differences)",
+        None,
     ),
     (
         "Pallas kernel vs XLA kernel: chunk sizes 16/64/256, odd K and V (padding), value tiles, edge shapes "
         "(T=1, one sub-block per chunk, partial tiles: outputs and all five gradients), whole model logits and "
         "gradients under `jit`",
         "1e-4 x max abs output; model gradients 1e-4 relative + 1e-5 x max",
+        None,
     ),
     (
         "gradients of a 2-layer model under each `model.remat` policy vs `none`",
         "1e-4 relative + 1e-5 x max abs gradient",
+        None,
     ),
     (
         "whole model vs PyTorch reference loaded through `convert` (short conv on/off, GQA on/off, T=150)",
         "elementwise 1e-4 x (abs ref + max abs ref)",
+        None,
     ),
-    ("prefill + N decode steps vs one forward pass, fp32", "1e-5 x max abs logit"),
+    ("prefill + N decode steps vs one forward pass, fp32", "1e-5 x max abs logit", None),
     (
         "`chunk_gla` with bf16 inputs vs fp32: output, and gradients (worst of dq, dk, dv, dg)",
         "RMS relative error < 2e-2",
+        "bf16_kernel",
     ),
-    ("bf16 compute vs fp32 compute, logits of a random 2-layer model", "RMS relative error < 3e-2"),
-    ("fla export -> import", "bit-exact"),
-    ("numerics report, fp32: jitted vs op-by-op (`jax.disable_jit`)", "RMS relative error <= 1e-5"),
-    ("numerics report, bf16 compute: jitted vs op-by-op", "RMS relative error <= 3e-2; with `--exact` <= 1e-6"),
-    ("greedy decode, fp32 vs bf16 compute, trained model", "not bounded: bf16 may flip a near-tie argmax"),
+    ("bf16 compute vs fp32 compute, logits of a random 2-layer model", "RMS relative error < 3e-2", "bf16_model"),
+    ("fla export -> import", "bit-exact", None),
+    ("numerics report, fp32: jitted vs op-by-op (`jax.disable_jit`)", "RMS relative error <= 1e-5", "report_fp32"),
+    (
+        "numerics report, bf16 compute: jitted vs op-by-op",
+        "RMS relative error <= 3e-2; with `--exact` <= 1e-6",
+        "report_bf16",
+    ),
+    ("greedy decode, fp32 vs bf16 compute, trained model", "not bounded: bf16 may flip a near-tie argmax", "greedy"),
 )
 
 
@@ -902,36 +922,23 @@ def _tolerances(kernels: dict, sweep: dict, default: dict, exact: dict) -> list[
     def vs_recurrent(kernel: str) -> str:
         return _sci(grads[kernel]["vs_jax_grad_recurrent_max"])
 
-    worst = max(
-        e[kind]
-        for d in sweep["decays"].values()
-        for gradients in (d["chunk"], d["pallas"])
-        for e in gradients.values()
-        for kind in ("per_element", "summed", "per_channel")
-        if kind in e
-    )
+    worst = _sweep_worst(sweep, ("per_element", "summed", "per_channel"))
     greedy = default["greedy_fp32_vs_bf16"]
-    measured = [
-        f"<= {_sci(fwd['chunk'])} (XLA), <= {_sci(fwd['pallas'])} (Pallas, interpreted), "
+    measured = {
+        "forward": f"<= {_sci(fwd['chunk'])} (XLA), <= {_sci(fwd['pallas'])} (Pallas, interpreted), "
         f"<= {_sci(fwd['recurrent'])} (recurrent); outputs and final states",
-        f"{span('chunk')} (XLA), {span('pallas')} (Pallas)",
-        f"worst {_sci(worst)} over the decays and both kernels (BENCHMARKS.md, `bench_decay_sweep`)",
-        "passes",
-        f"<= {vs_recurrent('chunk')} (XLA), <= {vs_recurrent('pallas')} (Pallas)",
-        "passes",
-        "passes",
-        "passes",
-        "passes",
-        "passes",
-        f"{_sci(bf16['kernel_chunk'])} (XLA), {_sci(bf16['kernel_pallas'])} (Pallas); gradients "
+        "gradients": f"{span('chunk')} (XLA), {span('pallas')} (Pallas)",
+        "decays": f"worst {_sci(worst)} over the decays and both kernels (BENCHMARKS.md, `bench_decay_sweep`)",
+        "vs_recurrent": f"<= {vs_recurrent('chunk')} (XLA), <= {vs_recurrent('pallas')} (Pallas)",
+        "bf16_kernel": f"{_sci(bf16['kernel_chunk'])} (XLA), {_sci(bf16['kernel_pallas'])} (Pallas); gradients "
         f"{_sci(bf16['gradients_chunk'])} (XLA), {_sci(bf16['gradients_pallas'])} (Pallas)",
-        _sci(bf16["model_logits"]),
-        "passes",
-        _sci(default["jit_vs_eager"]["rms_rel"]),
-        f"{_sci(default['jit_vs_eager_bf16']['rms_rel'])}; with `--exact` {exact['jit_vs_eager_bf16']['rms_rel']:.1f}",
-        f"{round(greedy['agree'] * greedy['steps'])} of {greedy['steps']} tokens agree",
-    ]
-    rows = [[c, bound, m] for (c, bound), m in zip(TOLERANCES, measured, strict=True)]
+        "bf16_model": _sci(bf16["model_logits"]),
+        "report_fp32": _sci(default["jit_vs_eager"]["rms_rel"]),
+        "report_bf16": f"{_sci(default['jit_vs_eager_bf16']['rms_rel'])}; with `--exact` "
+        f"{exact['jit_vs_eager_bf16']['rms_rel']:.1f}",
+        "greedy": f"{round(greedy['agree'] * greedy['steps'])} of {greedy['steps']} tokens agree",
+    }
+    rows = [[c, bound, "passes" if key is None else measured[key]] for c, bound, key in TOLERANCES]
     return _grid(["comparison", "bound (tested)", "measured"], rows)
 
 
@@ -1016,13 +1023,11 @@ COMMANDS = {
 BLOCK = re.compile(r"(<!-- table:([\w\-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 
 
-def render(name: str, root: str = ".") -> str:
-    """Table ``name`` as markdown, with its source JSON files and their commands under it."""
+def render(name: str, load: Callable[[str], dict]) -> str:
+    """Table ``name`` as markdown, with its source JSON files and their commands under it; ``load``
+    reads one result file by name."""
     files, fn = TABLES[name]
-    datas = []
-    for file in files:
-        with open(os.path.join(root, RESULTS, file)) as f:
-            datas.append(json.load(f))
+    datas = [load(file) for file in files]
     lines = fn(*datas)
     pairs = zip(files, datas, strict=True)
     sources = "; ".join(f"`{RESULTS}/{file}`, written by `{d.get('command') or COMMANDS[file]}`" for file, d in pairs)
@@ -1031,7 +1036,13 @@ def render(name: str, root: str = ".") -> str:
 
 
 def regenerate(root: str = ".") -> dict[str, str]:
-    """{doc: new text} for every doc whose generated tables differ from their JSON."""
+    """{doc: new text} for every doc whose generated tables differ from their JSON (each JSON read once)."""
+
+    @functools.cache
+    def load(file: str) -> dict:
+        with open(os.path.join(root, RESULTS, file)) as f:
+            return json.load(f)
+
     changed = {}
     for doc in DOCS:
         path = os.path.join(root, doc)
@@ -1043,7 +1054,7 @@ def regenerate(root: str = ".") -> dict[str, str]:
         unknown = [m.group(2) for m in BLOCK.finditer(text) if m.group(2) not in TABLES]
         if unknown:
             raise SystemExit(f"{doc}: no table named {unknown[0]!r} (known: {', '.join(TABLES)})")
-        new = BLOCK.sub(lambda m: m.group(1) + render(m.group(2), root) + m.group(4), text)
+        new = BLOCK.sub(lambda m: m.group(1) + render(m.group(2), load) + m.group(4), text)
         if new != text:
             changed[doc] = new
     return changed
