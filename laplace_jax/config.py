@@ -233,8 +233,9 @@ class ModelConfig(Block):
     n_kv_heads: None for one kv head per query head (GQA when smaller); mlp_dim: None for
     fla's rule 256 * ceil(int(d * 8/3) / 256); chunk_size: tokens per chunk of the chunkwise
     kernel; attn_impl: "chunk" (XLA chunk kernel, every backend), "pallas" (Pallas/Triton kernel:
-    GPU, interpreted on CPU), "recurrent" (token scan, the oracle) or "auto" ("pallas" on GPU,
-    "chunk" elsewhere); dtype: compute dtype (params stay float32, logits are float32); remat: what each
+    GPU, interpreted on CPU), "mosaic" (Pallas TPU kernel: TPU, interpreted on CPU), "recurrent"
+    (token scan, the oracle) or "auto" ("pallas" on GPU, "chunk" elsewhere); dtype: compute dtype
+    (params stay float32, logits are float32); remat: what each
     layer keeps for the backward: "none" (everything), "full" (only its input), "save_dots"
     (matmul outputs), "save_gla" (the GLA kernel's inputs and chunk states). True / False are
     read as "full" / "none" (older configs); scan_layers: False unrolls the layer loop (same
@@ -281,7 +282,7 @@ class ModelConfig(Block):
     def check(self) -> None:
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "gate_low_rank_dim", "chunk_size")
         _positive(self, "model", positive)
-        kernel = {"auto": "pallas", "pallas": "pallas", "chunk": "chunk"}.get(self.attn_impl)  # auto may run pallas
+        kernel = {"auto": "pallas", "recurrent": None}.get(self.attn_impl, self.attn_impl)  # auto may run pallas
         if kernel is not None and (problem := chunk_size_problem(kernel, self.chunk_size)) is not None:
             raise ConfigError(f"model.attn_impl={self.attn_impl!r}: {problem}")
         if self.n_heads % self.kv_heads:
@@ -526,7 +527,9 @@ class RunConfig(Block):
                 f"each slice ({seq // cp} tokens) must hold at least model.conv_size={self.model.conv_size} tokens"
             )
         if self.model.attn_impl == "recurrent":
-            raise ConfigError("mesh.context > 1 runs the chunk kernels; set model.attn_impl to chunk, pallas or auto")
+            raise ConfigError(
+                "mesh.context > 1 runs the chunk kernels; set model.attn_impl to chunk, pallas, mosaic or auto"
+            )
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> RunConfig:

@@ -49,6 +49,11 @@ RING = {
 }
 
 
+def arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of every array shape written in ``text``, in order (a tuple type lists each)."""
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _SHAPE.findall(text)]
+
+
 def shape_bytes(text: str) -> int:
     """Bytes of every array shape written in ``text`` (a tuple type sums its elements)."""
     total = 0
@@ -141,6 +146,13 @@ class Module:
     @functools.cached_property
     def _by_name(self) -> dict[str, dict[str, Instr]]:
         return {c: {i.name: i for i in instrs} for c, instrs in self.computations.items()}
+
+    def operand_types(self, comp: str, ins: Instr) -> list[str]:
+        """The result types of ``ins``' operands (instructions of computation ``comp``), in order."""
+        names = self._by_name[comp]
+        m = re.match(r"[\w\-]+\(([^)]*)\)", ins.rest)
+        refs = re.findall(r"%([\w.\-]+)", m.group(1)) if m else []
+        return [names[r].type for r in refs if r in names]
 
     def trip_count(self, caller: str, loop: Instr) -> int | None:
         """How many times ``loop`` (a while in ``caller``) runs its body, or None if unreadable."""

@@ -10,9 +10,12 @@ and compiles for those chips on a CPU machine. What the compiled program tells (
   each op came from;
 - a hand-counted limit beside it (FLOPs over the bf16 peak, minimal bytes over HBM bandwidth)
   and the ratio.
-It is the compiler's estimate, never a measurement. Ops without an estimate are listed, not
-counted as free: Mosaic (Pallas TPU) kernels carry none, nor do asynchronous copies and
-collectives; a figure that leaves them out says so.
+It is the compiler's estimate, never a measurement. This project's Mosaic (Pallas TPU) kernels
+carry no ``estimated_cycles`` in a normal compile; their time is the compiler's static schedule
+of the kernel (``mosaic_cycles``: its bundle count and latencies, which count no HBM transfer)
+or, where larger, a hand-counted DMA floor (every operand and result once over HBM bandwidth).
+Other ops without an estimate are listed, not counted as free (other Mosaic kernels,
+asynchronous copies and some collectives); a figure that leaves them out says so.
 
 ``cost_analysis()`` is not used: it counts a ``while`` body once (and its ``optimal_seconds``
 goes negative for looped programs).
@@ -21,16 +24,25 @@ goes negative for looped programs).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import os
 import re
+import subprocess
+import sys
 from collections import defaultdict
 from typing import Any
 
 from laplace_jax.errors import UserError
-from laplace_jax.hlo_stats import Module, loops, memory_report, shape_bytes
+from laplace_jax.hlo_stats import Module, arrays, loops, memory_report, shape_bytes
+from laplace_jax.ops.gla.limits import MOSAIC_KERNELS
 
 LABEL = "TPU compiler estimate (its cost model's estimated_cycles), not a measurement"
+MOSAIC_LABEL = (
+    "Mosaic kernels: the compiler's static schedule (bundles and latencies, no HBM time) "
+    "or a hand-counted DMA floor, whichever is larger"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +59,7 @@ class Chip:
     host_bounds: tuple[int, int, int]  # chips per host, as the topology description wants them
     calibrated: bool
     accelerator_prefix: str  # Cloud TPU's accelerator type names: v5litepod-4, v5p-8 (cores), v6e-4
+    cores: int  # TensorCores per chip (v5p: a megacore of two; Mosaic splits parallel grid axes over them)
 
     @property
     def hbm_bytes(self) -> int:
@@ -56,9 +69,9 @@ class Chip:
 # Peaks and HBM: Google Cloud TPU documentation per generation. Clocks: the ones under which
 # an 8192^3 bf16 matmul estimates at ~90% of the published peak (tpu calibration benchmark).
 CHIPS = {
-    "v5e": Chip("v5e", "TPU v5 lite", 197.0, 819.0, 16.0, 1.5, (2, 2, 1), True, "v5litepod"),
-    "v5p": Chip("v5p", "TPU v5", 459.0, 2765.0, 95.0, 1.75, (2, 2, 1), True, "v5p"),
-    "v6e": Chip("v6e", "TPU v6 lite", 918.0, 1640.0, 32.0, 1.75, (2, 2, 1), False, "v6e"),
+    "v5e": Chip("v5e", "TPU v5 lite", 197.0, 819.0, 16.0, 1.5, (2, 2, 1), True, "v5litepod", 1),
+    "v5p": Chip("v5p", "TPU v5", 459.0, 2765.0, 95.0, 1.75, (2, 2, 1), True, "v5p", 2),
+    "v6e": Chip("v6e", "TPU v6 lite", 918.0, 1640.0, 32.0, 1.75, (2, 2, 1), False, "v6e", 1),
 }
 
 _TRIVIAL = {
@@ -83,8 +96,7 @@ def _require_libtpu(chip: Chip, n_chips: int) -> None:
         )
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    cores = {"v5p": 2}.get(chip.name, 1) * n_chips
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{chip.accelerator_prefix}-{cores}")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{chip.accelerator_prefix}-{chip.cores * n_chips}")
 
 
 def parse_topology(name: str) -> tuple[Chip, tuple[int, ...]]:
@@ -176,6 +188,56 @@ def _unestimated_kind(ins: Any) -> str | None:
     return f"custom-call {target.group(1)}" if ins.opcode == "custom-call" and target else ins.opcode
 
 
+_DTYPES = {"bf16": "bfloat16", "f32": "float32", "f16": "float16"}
+
+
+def mosaic_call(module: Module, comp: str, ins: Any) -> dict[str, Any] | None:
+    """The sizes of a call of this project's Mosaic GLA kernels (``ops/gla/mosaic.py``), read
+    from the compiled call and its operands, or None for any other instruction."""
+    if ins.opcode != "custom-call" or "tpu_custom_call" not in ins.rest:
+        return None
+    kernel = next((k for k in MOSAIC_KERNELS if k in ins.name or k in ins.op_name), None)
+    if kernel is None:
+        return None
+    operands = [arrays(t)[0] for t in module.operand_types(comp, ins)]
+    q, v = (operands[1], operands[3]) if kernel == MOSAIC_KERNELS[0] else (operands[2], operands[4])
+    starts = arrays(ins.type)[1] if kernel == MOSAIC_KERNELS[0] else operands[7]
+    B, H, T, K = q[1]
+    moved = sum(shape_bytes(t) for t in module.operand_types(comp, ins)) + shape_bytes(ins.type)
+    return {"kernel": kernel, "units": B * H, "T": T, "C": T // starts[1][2], "K": K, "V": v[1][-1],
+            "dtype": _DTYPES.get(q[0], q[0]), "bytes": moved}  # fmt: skip
+
+
+PROFILE_CHUNKS = 8  # the sequence a Mosaic kernel is profiled at, in chunks (the profiler grows faster than the grid)
+
+
+@functools.cache
+def _mosaic_fit(chip_name: str, kernel: str, C: int, K: int, V: int, dtype: str) -> tuple[float, float]:
+    """(fixed cycles per call, cycles per grid step) of a Mosaic GLA kernel: the compiler's static
+    schedule at ``PROFILE_CHUNKS`` chunks and two and four heads per TensorCore, from a child
+    process (``tools/mosaic_profile``). One head alone profiles cheaper than any head among
+    others, so the fit starts at two."""
+    cores = CHIPS[chip_name].cores
+    heads = (2 * cores, 4 * cores)
+    T = PROFILE_CHUNKS * C
+    cmd = [sys.executable, "-m", "laplace_jax.tools.mosaic_profile", "--chip", chip_name, "--kernel", kernel,
+           "--shape", f"{T},{C},{K},{V}", "--dtype", dtype, "--heads", f"{heads[0]},{heads[1]}"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        tail = [ln for ln in done.stderr.splitlines() if ln.strip()][-3:]
+        raise RuntimeError(f"profiling {kernel} failed: {' | '.join(tail)}")
+    c1, c2 = json.loads(done.stdout.strip().splitlines()[-1])["cycles"]
+    per_step = (c2 - c1) / ((heads[1] - heads[0]) * PROFILE_CHUNKS)
+    return c1 - per_step * heads[0] * PROFILE_CHUNKS, per_step
+
+
+def mosaic_cycles(chip: Chip, call: dict[str, Any]) -> float:
+    """The compiler's static schedule of one Mosaic kernel call (``mosaic_call``), in cycles:
+    the fit scaled to the call's grid steps (batch rows x heads x chunks)."""
+    fixed, per_step = _mosaic_fit(chip.name, call["kernel"], call["C"], call["K"], call["V"], call["dtype"])
+    return fixed + per_step * call["units"] * (call["T"] // call["C"])
+
+
 def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     """The compiler's estimated time of one run of a compiled TPU module (``compiled.as_text()``).
 
@@ -183,19 +245,31 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     per ``file:line function`` of the JAX code each op came from, with its primitives), and
     ``unestimated``: ops that run but carry no estimate (per opcode, Mosaic kernels by name: how
     many times they run and the bytes of their results), so a reader knows what the sum leaves
-    out. Scalar bookkeeping (loop counters, tuples) is not listed."""
+    out. Scalar bookkeeping (loop counters, tuples) is not listed. ``mosaic`` lists this project's
+    Mosaic kernel calls, each counted at max(static schedule, DMA floor) (``MOSAIC_LABEL``)."""
     module = Module(hlo)
     mult = module.multiplicities(control_only=True)
     frames = module.frames()
     cycles = 0.0
     by_source: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     unestimated: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0})
+    mosaic: list[dict[str, Any]] = []
+    hz = chip.clock_ghz * 1e9
     for comp, instrs in module.computations.items():
         factor = mult.get(comp, 0.0)
         if not factor:
             continue
         for ins in instrs:
             c = ins.cycles
+            call = mosaic_call(module, comp, ins) if c is None else None
+            if call is not None:
+                try:
+                    schedule, floor = mosaic_cycles(chip, call) / hz, call["bytes"] / (chip.hbm_gbps * 1e9)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:  # listed below as not estimated
+                    call["failed"] = str(e)
+                else:
+                    mosaic.append({**call, "calls": factor, "schedule_s": schedule, "dma_floor_s": floor})
+                    c = max(schedule, floor) * hz
             if c is None:
                 kind = _unestimated_kind(ins)
                 if kind is not None:
@@ -215,13 +289,14 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     for r in rows:
         r["share"] = r["seconds"] / seconds if seconds else 0.0
     return {
-        "label": LABEL,
+        "label": LABEL if not mosaic else f"{LABEL}; {MOSAIC_LABEL}",
         "seconds": seconds,
         "cycles": cycles,
         "clock_ghz": chip.clock_ghz,
         "loops": loops(module),
         "by_source": rows,
         "unestimated": dict(sorted(unestimated.items(), key=lambda kv: -kv[1]["bytes"])),
+        "mosaic": mosaic,
     }
 
 
@@ -272,8 +347,13 @@ def format_report(rep: dict[str, Any], top: int = 8) -> str:
         f"  memory per chip    {_gib(mem['total'])} of {_gib(mem['hbm'])} HBM "
         f"(arguments {_gib(mem['arguments'])}, temporaries {_gib(mem['temporaries'])}, outputs "
         f"{_gib(mem['outputs'])}, {_gib(mem['aliased'])} aliased){'' if mem['fits'] else '  DOES NOT FIT'}",
-        f"  estimated time     {_ms(est['seconds'])}  [{LABEL}]",
+        f"  estimated time     {_ms(est['seconds'])}  [{est['label']}]",
     ]
+    for m in est["mosaic"]:
+        lines.append(
+            f"  Mosaic kernel      {m['kernel']} x{m['calls']:g}: static schedule {_ms(m['schedule_s'])}, "
+            f"DMA floor {_ms(m['dma_floor_s'])} per call"
+        )
     if lim["seconds"]:
         lines.append(
             f"  hand-counted limit {_ms(lim['seconds'])} ({lim['bound']}: {lim['flops'] / 1e9:,.1f} GFLOP -> "

@@ -53,7 +53,7 @@ def _issue(eqn: Any) -> str | None:
     if any(str(getattr(a, "dtype", "")).startswith("complex") for a in avals):
         return "complex dtypes are not supported"
     if name == "pallas_call":
-        return "Pallas (Triton) kernels do not run on Neuron (use model.attn_impl='chunk')"
+        return "Pallas kernels (Triton or Mosaic) do not run on Neuron (use model.attn_impl='chunk')"
     return None
 
 

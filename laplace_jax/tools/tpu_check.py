@@ -9,7 +9,8 @@ not a measurement).
     python -m laplace_jax.tools.tpu_check --topology v5e:1x1 --config configs/tiny.py --serve
     python -m laplace_jax.tools.tpu_check --topology v5e:2x2 --config configs/tiny.py   # the train step
 
---kernel      ``chunk_gla`` at a layer shape, forward and forward + backward (bf16 q/k/v, fp32 g).
+--kernel      the GLA kernels at a layer shape (``--impl``: chunk, the XLA kernel; mosaic, the Pallas
+              TPU kernel; both), forward and forward + backward (bf16 q/k/v, fp32 g).
 --decode W    the public ``decode_step`` at W sequences, bf16 weights and compute, the state
               donated: once with the weights as plain bf16 arrays, once packed as serving packs
               them on CPU (``pack_weights``, XLA:CPU's workaround).
@@ -54,52 +55,76 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
-def _compile(fn, args, devices=None, donate=()):
+def _compile(fn, args, devices=None, donate=(), free_layouts=False):
     """Compile ``fn`` for the TPU: ``args`` placed on the first of ``devices``, or (None) with
-    the shardings they carry."""
+    the shardings they carry. ``free_layouts``: arguments and results in the layouts the compiler
+    prefers (``Layout.AUTO``), as the ops around a kernel inside a model can write and read them."""
     import jax
     import numpy as np
+    from jax.experimental.layout import Format, Layout
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from laplace_jax.platform import compiling_for
 
+    layouts = {}
     if devices is not None:
         one = NamedSharding(Mesh(np.asarray(devices[:1]), ("x",)), P())
         args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), args)
+        if free_layouts:
+            auto = Format(Layout.AUTO, one)
+            layouts = {"in_shardings": jax.tree.map(lambda _: auto, tuple(args)), "out_shardings": auto}
     with compiling_for("tpu"):  # kernels trace their TPU layouts
-        return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        return jax.jit(fn, donate_argnums=donate, **layouts).lower(*args).compile()
 
 
-def kernel_reports(chip, devices, shape: tuple[int, ...], chunk: int) -> list[dict[str, Any]]:
-    """``chunk_gla`` forward and forward + backward at ``shape`` on one chip, with the limits:
-    FLOPs 4KV + 2C(K+V) per token and head (x3 with the backward); bytes the inputs and output
-    (forward) plus, for the backward, the inputs again, the output's cotangent and the gradients."""
+KERNEL_LABELS = {"chunk": "chunk_gla", "mosaic": "mosaic_gla"}  # --impl: the GLA kernels that compile for TPU
+
+
+def kernel_reports(
+    chip, devices, shape: tuple[int, ...], chunk: int, impls: tuple[str, ...] = ("chunk", "mosaic")
+) -> list[dict[str, Any]]:
+    """Each GLA kernel in ``impls`` ("chunk": the XLA kernel, "mosaic": the Pallas TPU kernel),
+    forward and forward + backward at ``shape`` on one chip, with the limits: FLOPs 4KV + 2C(K+V)
+    per token and head (x3 with the backward); bytes the inputs and output (forward) plus, for the
+    backward, the inputs again, the output's cotangent and the gradients. Inputs and outputs take
+    the layout each kernel's compiler prefers (the XLA kernel: the sequence axis minor; the Mosaic
+    kernel: heads before the sequence), as the ops around it in a model can produce them; the
+    loss's cotangent, built inside the program, does not."""
     import jax
     import jax.numpy as jnp
 
-    from laplace_jax.ops.gla import chunk_gla
+    from laplace_jax.ops.gla import gla
     from laplace_jax.tpu import report
 
     B, T, H, K, V = shape
     args = [jax.ShapeDtypeStruct((B, T, H, d), jnp.bfloat16) for d in (K, K, V)]
     args.append(jax.ShapeDtypeStruct((B, T, H, K), jnp.float32))
-    fwd = lambda q, k, v, g: chunk_gla(q, k, v, g, chunk_size=chunk)[0]  # noqa: E731
-    loss = lambda *a: fwd(*a).astype(jnp.float32).sum()  # noqa: E731
     inputs = sum(a.size * a.dtype.itemsize for a in args)
     out = B * T * H * V * 2
     flops = B * T * H * (4 * K * V + 2 * chunk * (K + V))
-    where = f"chunk_gla B{B} T{T} H{H} K{K} V{V} chunk {chunk}"
-    return [
-        report(_compile(fwd, args, devices), chip, f"{where}, forward", flops=flops, bytes_=inputs + out),
-        report(
-            _compile(jax.grad(loss, argnums=(0, 1, 2, 3)), args, devices),
-            chip,
-            f"{where}, forward + backward",
-            flops=3 * flops,
-            bytes_=2 * inputs + 2 * out + inputs,
-        ),
-    ]
+    reports = []
+    for impl in impls:
+        fwd = lambda q, k, v, g, impl=impl: gla(q, k, v, g, impl=impl, chunk_size=chunk)[0]  # noqa: E731
+        loss = lambda *a, fwd=fwd: fwd(*a).astype(jnp.float32).sum()  # noqa: E731
+        where = f"{KERNEL_LABELS[impl]} B{B} T{T} H{H} K{K} V{V} chunk {chunk}"
+        reports += [
+            report(
+                _compile(fwd, args, devices, free_layouts=True),
+                chip,
+                f"{where}, forward",
+                flops=flops,
+                bytes_=inputs + out,
+            ),
+            report(
+                _compile(jax.grad(loss, argnums=(0, 1, 2, 3)), args, devices, free_layouts=True),
+                chip,
+                f"{where}, forward + backward",
+                flops=3 * flops,
+                bytes_=2 * inputs + 2 * out + inputs,
+            ),
+        ]
+    return reports
 
 
 def _serving_cfg(config):
@@ -245,13 +270,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--topology", default="v5e:1x1", help="TPU topology: v5e:1x1, v5e:2x2, v5p:1x1x1, v5p:2x2x4, ...")
     what = ap.add_mutually_exclusive_group()
-    what.add_argument("--kernel", action="store_true", help="chunk_gla at --shape, forward and forward + backward")
+    what.add_argument("--kernel", action="store_true", help="GLA kernels at --shape, forward and forward + backward")
     what.add_argument("--decode", type=int, metavar="W", help="decode_step at W sequences (needs --config)")
     what.add_argument("--prefill", type=_lengths, metavar="T", help="prefill of one T-token prompt (T,T,..: several)")
     what.add_argument("--serve", action="store_true", help="serving's prefill, decode buckets and sampler (--config)")
     ap.add_argument("--config", help="an ml_collections config file (e.g. configs/3b.py); alone: the train step")
     ap.add_argument("--shape", type=_shape, default=SHAPES["3b"], help="--kernel: 3b, small or B,T,H,K,V")
     ap.add_argument("--chunk", type=int, default=128, help="--kernel: chunk size")
+    ap.add_argument(
+        "--impl", choices=(*KERNEL_LABELS, "both"), default="both", help="--kernel: chunk (XLA), mosaic (Pallas TPU)"
+    )
     ap.add_argument("--max-num-seqs", type=int, default=8, help="--serve: decode slots per chip")
     ap.add_argument("--buckets", default="pow2", help="--serve: decode bucket widths (pow2 or e.g. 1,4,8)")
     ap.add_argument("--prefill-chunk", type=int, default=64, help="--serve: tokens per prefill call")
@@ -273,7 +301,8 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
         raise UserError("say what to compile: --kernel, or --config C with --decode W, --serve or alone (train step)")
     chip, devices = tpu_devices(a.topology)
     if a.kernel:
-        return kernel_reports(chip, devices, a.shape, a.chunk)
+        impls = tuple(KERNEL_LABELS) if a.impl == "both" else (a.impl,)
+        return kernel_reports(chip, devices, a.shape, a.chunk, impls)
     config = load_run_config(a.config)
     if a.decode is not None:
         return decode_reports(chip, devices, config, a.decode)

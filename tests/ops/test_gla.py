@@ -1,6 +1,7 @@
-"""chunk_gla (XLA and Pallas kernels) vs recurrent_gla vs an independent PyTorch recurrence (fp32 and bf16).
+"""The chunked GLA kernels (XLA, Pallas GPU, Pallas TPU) vs recurrent_gla vs an independent PyTorch
+recurrence (fp32 and bf16).
 
-The Pallas kernel runs in the Pallas interpreter here (CPU); every kernel test runs on both kernels."""
+The Pallas kernels run in the Pallas interpreter here (CPU); every kernel test runs on every kernel."""
 
 import functools
 
@@ -20,13 +21,13 @@ from laplace_jax.platform import compiling_for
 TOL = 5e-6  # max abs error relative to the output scale (max |o_ref|), fp32: 10x the worst measured (5e-7)
 
 
-KERNELS = pytest.mark.parametrize("kernel", ["chunk", "chunk-tpu", "pallas"])
+KERNELS = pytest.mark.parametrize("kernel", ["chunk", "chunk-tpu", "pallas", "mosaic"])
 
 
 def _chunk(kernel: str):
     """A chunked GLA kernel under test: "chunk" (as XLA:CPU traces it: the blocks layout),
     "chunk-tpu" (the chunk kernel traced as for a TPU, run here: the full-width layout a systolic
-    array gets), "pallas"."""
+    array gets), "pallas" (GPU), "mosaic" (TPU)."""
     if kernel != "chunk-tpu":
         return functools.partial(gla, impl=kernel)
 
@@ -40,7 +41,7 @@ def _chunk(kernel: str):
 # every T on the chunk kernel; the interpreted Pallas kernel on the T that exercise a partial
 # chunk, one chunk exactly and many chunks (the interpreter is slow on CPU)
 AGREE = [("chunk", T) for T in (1, 100, 128, 300, 2048)]
-AGREE += [(kernel, T) for kernel in ("chunk-tpu", "pallas") for T in (100, 128, 2048)]
+AGREE += [(kernel, T) for kernel in ("chunk-tpu", "pallas", "mosaic") for T in (100, 128, 2048)]
 
 
 @pytest.mark.parametrize("kernel, T", AGREE)
@@ -218,12 +219,13 @@ def test_bf16_gradients_stay_within_the_bf16_bound(kernel):
         assert np.isfinite(err) and err < BF16_BOUND, (name, err)
 
 
-def test_pallas_autodiff_saves_only_inputs_and_chunk_states():
-    """The Pallas kernel recomputes its scores: jax.grad keeps the padded inputs and the chunk-start
-    states [B, H, N, K, V], nothing else (besides the pads' scalar fill values)."""
+@pytest.mark.parametrize("kernel", ["pallas", "mosaic"])
+def test_pallas_autodiff_saves_only_inputs_and_chunk_states(kernel):
+    """The Pallas kernels recompute their scores: jax.grad keeps the (padded or transposed) inputs
+    and the chunk-start states [B, H, N, K, V], nothing else (besides the pads' scalar fill values)."""
     B, T, H, K, V, C = 1, 64, 2, 16, 32, 32
     q, k, v, g, s0 = _inputs(T, "weak", B=B, H=H, K=K, V=V)
-    _, f_vjp = jax.vjp(lambda *a: gla(*a[:4], impl="pallas", initial_state=a[4], chunk_size=C), q, k, v, g, s0)
+    _, f_vjp = jax.vjp(lambda *a: gla(*a[:4], impl=kernel, initial_state=a[4], chunk_size=C), q, k, v, g, s0)
     sizes = sorted(x.size for x in jax.tree.leaves(f_vjp) if x.ndim)
     states = (T // C) * B * H * K * V
     assert sizes == sorted([q.size, k.size, v.size, g.size, states])
@@ -240,14 +242,28 @@ def test_pallas_tiles_and_padding_do_not_change_result():
     assert _rel(o, np.asarray(ref, np.float64)) <= TOL and _rel(s, np.asarray(s_ref, np.float64)) <= TOL
 
 
-@pytest.mark.parametrize(
-    "T, K, V, C",
-    [(1, 16, 16, 16), (17, 16, 8, 16), (33, 20, 24, 32), (100, 48, 80, 64)],
-    ids=["one token", "one sub-block per chunk, V below a tile", "odd widths", "3 K tiles, partial V tile"],
-)
-def test_pallas_edge_shapes_forward_and_gradients_equal_the_xla_kernel(T, K, V, C):
-    """Shapes at the kernel's edges (empty loops, a single sub-block, padding inside a tile)
-    with an initial state and a strong decay: outputs, final state and all five gradients."""
+EDGES = [
+    ("pallas", 1, 16, 16, 16),
+    ("pallas", 17, 16, 8, 16),
+    ("pallas", 33, 20, 24, 32),
+    ("pallas", 100, 48, 80, 64),
+    ("mosaic", 1, 16, 16, 16),
+    ("mosaic", 33, 20, 24, 32),
+    ("mosaic", 300, 96, 192, 128),
+    ("mosaic", 130, 128, 256, 64),
+]
+EDGE_IDS = [
+    "one token", "one sub-block per chunk, V below a tile", "odd widths", "3 K tiles, partial V tile",
+    "one token", "odd widths", "3B head widths (widened to 128 and 256 lanes)", "whole lanes (no widening)",
+]  # fmt: skip
+EDGE_IDS = [f"{edge[0]}: {what}" for edge, what in zip(EDGES, EDGE_IDS, strict=True)]
+
+
+@pytest.mark.parametrize("kernel, T, K, V, C", EDGES, ids=EDGE_IDS)
+def test_pallas_edge_shapes_forward_and_gradients_equal_the_xla_kernel(kernel, T, K, V, C):
+    """Shapes at the Pallas kernels' edges (empty loops, a single sub-block or level, padding
+    inside a tile, head widths that are not whole 128-lane tiles) with an initial state and a
+    strong decay: outputs, final state and all five gradients."""
     q, k, v, g, s0 = _inputs(T, "strong", B=1, H=2, K=K, V=V, seed=T)
     r = np.random.default_rng(T)
     w_o, w_s = r.standard_normal((1, T, 2, V)).astype(np.float32), r.standard_normal(s0.shape).astype(np.float32)
@@ -259,7 +275,7 @@ def test_pallas_edge_shapes_forward_and_gradients_equal_the_xla_kernel(T, K, V, 
 
         return jax.grad(loss, argnums=range(5), has_aux=True)(q, k, v, g, s0)
 
-    (grads, outs), (ref_grads, ref_outs) = run("pallas"), run("chunk")
+    (grads, outs), (ref_grads, ref_outs) = run(kernel), run("chunk")
     names = ["o", "s", "q", "k", "v", "g", "s0"]
     for name, ours, ref in zip(names, [*outs, *grads], [*ref_outs, *ref_grads], strict=True):
         assert _rel(ours, np.asarray(ref, np.float64)) <= TOL, name
@@ -279,10 +295,11 @@ def test_bad_inputs_raise_clear_errors():
         chunk_gla(q, k, v, g, initial_state=s0[:, :1])
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_gla(q, k, v, g, chunk_size=24)
-    for bad in (8, 48):  # 48: a multiple of 16, but Triton blocks take powers of two
-        with pytest.raises(ValueError, match="power of two"):
-            gla(q, k, v, g, impl="pallas", chunk_size=bad)
-    with pytest.raises(ValueError, match="GLA kernel must be one of chunk, pallas, recurrent, auto"):
+    for impl in ("pallas", "mosaic"):
+        for bad in (8, 48):  # 48: a multiple of 16, but Triton blocks and the levels take powers of two
+            with pytest.raises(ValueError, match="power of two"):
+                gla(q, k, v, g, impl=impl, chunk_size=bad)
+    with pytest.raises(ValueError, match="GLA kernel must be one of chunk, pallas, mosaic, recurrent, auto"):
         gla(q, k, v, g, impl="triton")
 
 

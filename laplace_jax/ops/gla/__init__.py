@@ -6,10 +6,11 @@ float32. ``g`` is the log forget gate (<= 0). Per head:
     S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T,      o_t = S_t^T (scale * q_t)
 
 ``chunk_gla`` evaluates the same recurrence with matmuls over chunks of ``chunk_size`` tokens,
-running a ``lax.scan`` over chunks for the state. Every exponent is a direct sum of log-decays
-(<= 0), never the difference of two cumulative sums, so nothing overflows and nothing cancels
-however strong the decay: inside a chunk, off-diagonal 16-token sub-blocks factor through the
-boundary of the row's sub-block, and the diagonal sub-blocks use exact pairwise exponents.
+a loop over chunks carrying the state. Every exponent is a direct sum of log-decays (<= 0),
+never the difference of two cumulative sums, so nothing overflows and nothing cancels however
+strong the decay: the scores inside a chunk come from dyadic levels (halves, quarters, ...),
+each one full-width matmul of operands scaled by sums within their half-block (``levels.py``).
+``pallas_gla`` (GPU, Triton) and ``mosaic_gla`` (TPU) are the same contract as Pallas kernels.
 ``recurrent_gla`` is the token-by-token scan (the oracle, and the decode path through ``gla_step``).
 ``context_gla`` runs one sequence split across devices (context parallelism, ``context.py``).
 
@@ -23,6 +24,7 @@ from laplace_jax.ops.gla.chunk import chunk_gla
 from laplace_jax.ops.gla.context import context_gla
 from laplace_jax.ops.gla.dispatch import gla, resolve
 from laplace_jax.ops.gla.limits import IMPLS
+from laplace_jax.ops.gla.mosaic import mosaic_gla
 from laplace_jax.ops.gla.naive import naive_gla
 from laplace_jax.ops.gla.pallas import pallas_gla
 from laplace_jax.ops.gla.recurrent import recurrent_gla
@@ -34,6 +36,7 @@ __all__ = [
     "context_gla",
     "gla",
     "gla_step",
+    "mosaic_gla",
     "naive_gla",
     "pallas_gla",
     "recurrent_gla",

@@ -1,7 +1,8 @@
 """The one place a GLA kernel is chosen. The ops use the config's names: ``model.attn_impl`` is
 "chunk" (``chunk_gla``, the XLA chunk kernel: every backend), "pallas" (``pallas_gla``: a
-Triton-lowered GPU kernel, interpreted on CPU), "recurrent" (``recurrent_gla``, the token scan) or
-"auto" ("pallas" on GPU, "chunk" elsewhere)."""
+Triton-lowered GPU kernel, interpreted on CPU), "mosaic" (``mosaic_gla``: a Pallas TPU kernel,
+interpreted on CPU), "recurrent" (``recurrent_gla``, the token scan) or "auto" ("pallas" on GPU,
+"chunk" elsewhere)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 from laplace_jax.ops.gla.chunk import chunk_gla
 from laplace_jax.ops.gla.inputs import check_inputs
 from laplace_jax.ops.gla.limits import IMPLS
+from laplace_jax.ops.gla.mosaic import mosaic_gla, mosaic_interpret
 from laplace_jax.ops.gla.pallas import pallas_gla, pallas_interpret
 from laplace_jax.ops.gla.recurrent import recurrent_gla
 from laplace_jax.platform import on_gpu
@@ -41,7 +43,7 @@ def gla(
 ) -> tuple[Array, Array]:
     """GLA over a sequence with kernel ``impl``: (o [B, T, H, V], final state [B, H, K, V] fp32).
     Every kernel has the same numerics contract and gradients. ``chunk_size``: the chunk and
-    Pallas kernels' chunk (``limits.chunk_size_problem``); ``interpret`` runs the Pallas kernel
+    Pallas kernels' chunk (``limits.chunk_size_problem``); ``interpret`` runs a Pallas kernel
     in the Pallas interpreter (None: on CPU only)."""
     impl = resolve(impl)
     if impl == "recurrent":
@@ -51,6 +53,9 @@ def gla(
     check_inputs(q, k, v, g, initial_state)
     B, _, H, K = q.shape
     s0 = jnp.zeros((B, H, K, v.shape[-1]), jnp.float32) if initial_state is None else initial_state
-    interpret = pallas_interpret() if interpret is None else interpret
     scale = K**-0.5 if scale is None else float(scale)
+    if impl == "mosaic":
+        interpret = mosaic_interpret() if interpret is None else interpret
+        return mosaic_gla(q, k, v, g, s0, scale=scale, chunk_size=chunk_size, interpret=interpret)
+    interpret = pallas_interpret() if interpret is None else interpret
     return pallas_gla(q, k, v, g, s0, scale=scale, chunk_size=chunk_size, interpret=interpret)

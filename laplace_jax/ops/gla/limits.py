@@ -1,22 +1,26 @@
 """What each GLA kernel accepts, stated once: the kernels check their inputs with it and the
-model config asks it. It imports nothing of the package, so the config (the base layer) may."""
+model config asks it; and the Mosaic kernels' names, which the TPU estimator looks for. It imports
+nothing of the package, so the base layer (the config, ``tpu``) may."""
 
 from __future__ import annotations
 
-IMPLS = ("chunk", "pallas", "recurrent", "auto")  # model.attn_impl; "auto": pallas on GPU, chunk elsewhere
+IMPLS = ("chunk", "pallas", "mosaic", "recurrent", "auto")  # model.attn_impl; "auto": pallas on GPU, chunk elsewhere
+BLOCK_KERNELS = {"pallas": "the Pallas GPU kernel", "mosaic": "the Pallas TPU (Mosaic) kernel"}
+MOSAIC_KERNELS = ("gla_mosaic_fwd", "gla_mosaic_bwd")  # the Mosaic kernels' names, as compiled HLO shows them
 SUB_BLOCK = 16  # rows of the GLA kernels' exact-decay sub-blocks (the smallest side a Triton dot takes)
 
 
 def pallas_chunk_ok(chunk_size: int) -> bool:
-    """Whether the Pallas GLA kernel takes this chunk size: a power of two >= 16 (Triton blocks
-    must have power-of-two sizes, and a chunk is a whole number of 16-row sub-blocks)."""
+    """Whether the Pallas GLA kernels take this chunk size: a power of two >= 16 (Triton blocks
+    must have power-of-two sizes, and a chunk is a whole number of 16-row sub-blocks; the Mosaic
+    kernel's levels halve the chunk down to single rows, and bf16 rows tile by 16)."""
     return chunk_size >= SUB_BLOCK and chunk_size & (chunk_size - 1) == 0
 
 
 def chunk_size_problem(impl: str, chunk_size: int) -> str | None:
-    """Why kernel ``impl`` ("chunk" or "pallas") cannot run ``chunk_size``-token chunks, or None."""
-    if impl == "pallas" and not pallas_chunk_ok(chunk_size):
-        return f"the Pallas kernel needs chunk_size a power of two, at least {SUB_BLOCK}; got {chunk_size}"
+    """Why kernel ``impl`` ("chunk", "pallas" or "mosaic") cannot run ``chunk_size``-token chunks, or None."""
+    if impl in BLOCK_KERNELS and not pallas_chunk_ok(chunk_size):
+        return f"{BLOCK_KERNELS[impl]} needs chunk_size a power of two, at least {SUB_BLOCK}; got {chunk_size}"
     if chunk_size <= 0 or (chunk_size % SUB_BLOCK and SUB_BLOCK % chunk_size):
         return (
             f"chunk_size must be a positive multiple of {SUB_BLOCK} (the chunk kernel also takes 1, 2, 4, 8); "

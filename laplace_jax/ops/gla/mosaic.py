@@ -1,0 +1,392 @@
+"""Chunkwise GLA as Pallas TPU (Mosaic) kernels, forward and backward: each chunk stays in VMEM,
+every score is a matmul on the 128 x 128 systolic array, every decay factor the exp of a direct sum.
+
+Same recurrence, signature and numerics contract as ``chunk_gla`` (``chunk.py``); on CPU it runs in
+the Pallas interpreter (tests), and ``model.attn_impl="mosaic"`` picks it.
+
+Grid and layout. One grid step is one chunk of one (batch row, head): grid (B, H, N), the chunk
+axis sequential ("arbitrary") with the fp32 state [K, V] in a VMEM scratch, batch rows and heads
+parallel (split over a megacore chip's two TensorCores). The kernels take [B, H, T, D]: a chunk of
+one head is then one [C, D] block. The public [B, T, H, D] layout is transposed around the call
+(in a model, XLA writes the producers' outputs in the layout the call wants). Inside the kernel
+each row block is copied into a VMEM scratch of whole 128-lane tiles whose lanes past D stay zero
+(``_wide``), so every matmul contracts over whole lanes; HBM holds D as it is (TPU arrays are
+tiled by 128 lanes, so D = 96 occupies 128 there already), and a contraction of 96 or 128 is one
+pass either way.
+
+The scores inside a chunk (``levels.py`` derives them; here one operand per level). A chunk of
+C = 2^L rows splits in halves, quarters, ... For a pair s < r, let m be the highest bit in which r
+and s differ (r has it set): r and s share a block of 2^(m+1) rows, s in its lower half, r in its
+upper half, and
+
+    b_r - b_s = sides_m(r) + sides_m(s),
+    sides_m(r) = sum_{r's half-block start <= t <= r} g_t          (r in an upper half: bit m of r set)
+    sides_m(s) = sum_{s < t <= end of s's half-block} g_t          (s in a lower half: bit m clear)
+
+both direct sums <= 0. With X_m[r] = (q_r if bit m of r is set else k_r) * e^{sides_m(r)}, every
+pair of level m is one entry of X_m X_m^T, so
+
+    A = scale * (sum_m mask_m * (X_m X_m^T) + diag(q . k)),   mask_m[r, s] = (s < r and (r ^ s) >> m == 1)
+
+L full [C, C] matmuls of [C, D] operands and an iota mask per level: no 16-row tiles, no
+per-pair exps.
+
+Exact sums on the matrix unit. sides_m for every m, the chunk's inclusive sum b_r and its reverse
+exclusive sum (for the state) are one product M g with M a fixed [(L + 2) C, C] 0/1 matrix. g is
+split into three bf16 pieces (bit truncation: hi = g with the low 16 bits cleared, mid the same of
+g - hi, lo = g - hi - mid; their sum is g exactly), and M (bf16, exact) meets each piece in one
+bf16 pass with fp32 accumulation. Each selected term is then added as it is: a direct sum, half
+the passes of HIGHEST's fp32 emulation.
+
+Backward (chunks in reverse, dS the gradient on the chunk's end state in a VMEM scratch). With
+dA = tril(do v^T), the state path as in ``chunk.py``; the levels:
+
+    dX_m = scale * (D_m + D_m^T) X_m,   D_m = mask_m * dA
+    dq += dX_m * e^{sides_m} on rows with bit m set, dk += the same on rows with it clear,
+    d sides_m = dX_m * X_m
+
+and the gate gradient is one exact product with the forward's matrix transposed,
+
+    dg = M^T [d sides_0; ...; d sides_{L-1}; q dq_state; k dk_state] + e^{b_C} rowsum(S * dS),
+
+so dg_t sums exactly the pairs whose decay contains g_t (the pair-sum argument of ``chunk.py``):
+nothing is a difference of large sums, at any decay. Scores are recomputed, not stored: L
+matmuls per chunk against an fp32 [C, C] write and read.
+
+Three libtpu 0.0.42 workarounds, each checked on the compiler: a bf16 operand computed in the
+kernel must contract over a multiple of 128 (96 aborts in LLO: hence the widening, and chunks of
+128 or more on TPU); padding a value in the kernel (``jnp.pad``) is seen through, so the widening
+goes through a VMEM scratch; and a matmul operand masked by ``where`` is masked by a
+multiplication instead (the compiler folds a select before a dot into a masked matmul whose
+operand types its own static analysis rejects).
+
+Time: the TPU compiler's static schedule of these kernels (``tpu.mosaic_cycles``), the only
+estimate it gives a Mosaic kernel; it counts no HBM transfer time, so ``tpu`` sets it beside a
+hand-counted DMA floor.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from laplace_jax.ops.gla.levels import level_matrices
+from laplace_jax.ops.gla.limits import MOSAIC_KERNELS, chunk_size_problem
+from laplace_jax.platform import compile_target
+
+Array = jax.Array
+f32, bf16 = jnp.float32, jnp.bfloat16
+NT = (((1,), (1,)), ((), ()))  # a @ b^T: contract the minor dims of both
+TN = (((0,), (0,)), ((), ()))  # a^T @ b: contract the major dims of both
+
+
+@functools.cache
+def sum_matrix(C: int) -> np.ndarray:
+    """[(L + 2) C, C] 0/1: rows l C .. (l + 1) C - 1 give sides of level l (coarsest first, half
+    size 2^(L - 1 - l)), then the inclusive and the reverse exclusive sums over the chunk."""
+    m = level_matrices(C)
+    return np.concatenate([m["sides"].reshape(-1, C), m["incl"], m["rev_excl"]], 0)
+
+
+def _split(x: Array) -> tuple[Array, Array, Array]:
+    """fp32 -> three bf16 arrays summing exactly to x (the low 16 bits cleared, twice)."""
+
+    def top(y):
+        bits = jax.lax.bitcast_convert_type(y, jnp.uint32) & jnp.uint32(0xFFFF0000)
+        return jax.lax.bitcast_convert_type(bits, f32)
+
+    hi = top(x)
+    rest = x - hi
+    mid = top(rest)
+    return hi.astype(bf16), mid.astype(bf16), (rest - mid).astype(bf16)
+
+
+def exact_sums(m: Array, x: Array) -> Array:
+    """m [R, C] (0/1, bf16) @ x [C, D] (fp32): every selected term added as it is (fp32)."""
+    return sum(jnp.dot(m, piece, preferred_element_type=f32) for piece in _split(x))
+
+
+def lanes(d: int) -> int:
+    """``d`` rounded up to whole 128-lane tiles."""
+    return -(-d // 128) * 128
+
+
+def _zero(*scratch) -> None:
+    """Zero VMEM scratch (at each batch row and head's first chunk: lanes past an operand's width
+    are never written again)."""
+    for ref in scratch:
+        ref[...] = jnp.zeros(ref.shape, ref.dtype)
+
+
+def _wide(ref, scratch) -> Array:
+    """The block of ``ref`` [rows, d], widened to the scratch's whole lanes (zeros past d,
+    ``_zero``); the block itself where d is whole lanes already."""
+    if ref.shape == scratch.shape:
+        return ref[...]
+    scratch[:, : ref.shape[-1]] = ref[...]
+    return scratch[...]
+
+
+class _Chunk:
+    """One chunk's decays and per-level operands, from its rows q, k [C, K], g [C, K] fp32."""
+
+    def __init__(self, m: Array, q: Array, k: Array, g: Array):
+        C = q.shape[0]
+        self.L = C.bit_length() - 1
+        self.C = C
+        self.r = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+        self.s = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+        self.rows = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+        self.q, self.k = q, k
+        self.qf, self.kf = q.astype(f32), k.astype(f32)
+        sums = exact_sums(m, g)
+        self.e_levels = [jnp.exp(sums[l * C : (l + 1) * C]) for l in range(self.L)]
+        self.e_b = jnp.exp(sums[self.L * C : (self.L + 1) * C])  # e^{b_r}: from the chunk start
+        self.e_tail = jnp.exp(sums[(self.L + 1) * C :])  # e^{b_C - b_r}: to the chunk end
+        self.e_tot = self.e_b[C - 1 : C, :]  # [1, K]: the whole chunk
+
+    def upper(self, l: int) -> Array:
+        """[C, 1]: rows in an upper half at level l (bit L - 1 - l set)."""
+        return ((self.rows >> (self.L - 1 - l)) & 1) == 1
+
+    def pairs(self, l: int, transposed: bool = False) -> Array:
+        """[C, C]: pairs (r, s), s < r, of level l (or their transpose: s > r)."""
+        below = self.s > self.r if transposed else self.s < self.r
+        return below & (((self.r ^ self.s) >> (self.L - 1 - l)) == 1)
+
+    def X(self, l: int) -> Array:
+        """Level l's operand (fp32): q on upper rows, k on lower rows, times e^{sides}."""
+        return jnp.where(self.upper(l), self.qf, self.kf) * self.e_levels[l]
+
+    def scores(self, Xs: list[Array], scale: float) -> Array:
+        """A [C, C] fp32 (zero above the diagonal)."""
+        dt = self.q.dtype
+        A = jnp.where(self.r == self.s, jax.lax.dot_general(self.q, self.k, NT, preferred_element_type=f32), 0.0)
+        for l, X in enumerate(Xs):
+            Xd = X.astype(dt)
+            A = A + jnp.where(self.pairs(l), jax.lax.dot_general(Xd, Xd, NT, preferred_element_type=f32), 0.0)
+        return scale * A
+
+
+def _fwd_kernel(m_ref, q_ref, k_ref, v_ref, g_ref, s0_ref, o_ref, starts_ref, sT_ref, S_ref, *wide, scale):
+    c = pl.program_id(2)
+    K, V = s0_ref.shape
+
+    @pl.when(c == 0)
+    def _():
+        _zero(S_ref, *wide)
+        S_ref[:K, :V] = s0_ref[...]
+
+    S = S_ref[...]
+    starts_ref[...] = S[:K, :V]
+    q, k, v, g = (_wide(ref, w) for ref, w in zip((q_ref, k_ref, v_ref, g_ref), wide, strict=True))
+    dt = v.dtype
+    ch = _Chunk(m_ref[...], q, k, g)
+    A = ch.scores([ch.X(l) for l in range(ch.L)], scale)
+    o = jnp.dot(A.astype(dt), v, preferred_element_type=f32)
+    o = o + jnp.dot((ch.qf * (scale * ch.e_b)).astype(dt), S.astype(dt), preferred_element_type=f32)
+    o_ref[...] = o[:, :V].astype(o_ref.dtype)
+    kv = jax.lax.dot_general((ch.kf * ch.e_tail).astype(dt), v, TN, preferred_element_type=f32)
+    S_next = jnp.transpose(ch.e_tot) * S + kv
+    S_ref[...] = S_next
+
+    @pl.when(c == pl.num_programs(2) - 1)
+    def _():
+        sT_ref[...] = S_next[:K, :V]
+
+
+def _bwd_kernel(m_ref, mt_ref, q_ref, k_ref, v_ref, g_ref, do_ref, S_in, dsT_ref, *refs, scale):
+    dq_ref, dk_ref, dv_ref, dg_ref, ds0_ref, dS_ref, S_ref, *wide = refs
+    i = pl.program_id(2)
+    K, V = dsT_ref.shape
+
+    @pl.when(i == 0)
+    def _():
+        _zero(dS_ref, S_ref, *wide)
+        dS_ref[:K, :V] = dsT_ref[...]
+
+    S_ref[:K, :V] = S_in[...]
+    dS, S = dS_ref[...], S_ref[...]
+    refs = (q_ref, k_ref, v_ref, g_ref, do_ref)
+    q, k, v, g, do = (_wide(ref, w) for ref, w in zip(refs, wide, strict=True))
+    dt = v.dtype
+    ch = _Chunk(m_ref[...], q, k, g)
+    qf, kf = ch.qf, ch.kf
+    Xs = [ch.X(l) for l in range(ch.L)]
+    A = ch.scores(Xs, scale)
+    e_bs = scale * ch.e_b
+    Sd, dSd = S.astype(dt), dS.astype(dt)
+    # through the state: o_inter = (s q e^b) S, S_next = e^{total} S + (k e^{tail})^T v
+    dq_state = e_bs * jax.lax.dot_general(do, Sd, NT, preferred_element_type=f32)
+    dk_state = ch.e_tail * jax.lax.dot_general(v, dSd, NT, preferred_element_type=f32)
+    dv = jnp.dot((kf * ch.e_tail).astype(dt), dSd, preferred_element_type=f32)
+    dv = dv + jax.lax.dot_general(A.astype(dt), do, TN, preferred_element_type=f32)
+    qe_do = jax.lax.dot_general((qf * e_bs).astype(dt), do, TN, preferred_element_type=f32)
+    dS_prev = jnp.transpose(ch.e_tot) * dS + qe_do
+    dS_ref[...] = dS_prev
+    # through the scores, level by level (masks as 0/1 factors: the module docstring's second workaround)
+    dA = jnp.where(ch.s <= ch.r, jax.lax.dot_general(do, v, NT, preferred_element_type=f32), 0.0)
+    dAt = jnp.transpose(dA)
+    dq, dk, terms = dq_state, dk_state, []
+    for l, X in enumerate(Xs):
+        Xd = X.astype(dt)
+        D = (dA * ch.pairs(l).astype(f32)).astype(dt)
+        Dt = (dAt * ch.pairs(l, transposed=True).astype(f32)).astype(dt)
+        dX = scale * (jnp.dot(D, Xd, preferred_element_type=f32) + jnp.dot(Dt, Xd, preferred_element_type=f32))
+        dy = dX * ch.e_levels[l]
+        up = ch.upper(l)
+        dq, dk = dq + jnp.where(up, dy, 0.0), dk + jnp.where(up, 0.0, dy)
+        terms.append(dX * X)
+    # the gate: level pairs, then the state's (r in the chunk, s before it; s in the chunk, r after it)
+    terms += [qf * dq_state, kf * dk_state]
+    dg = exact_sums(mt_ref[...], jnp.concatenate(terms, 0))
+    dg = dg + ch.e_tot * jnp.transpose(jnp.sum(S * dS, axis=1, keepdims=True))
+    d = scale * jnp.sum(jnp.where(ch.r == ch.s, dA, 0.0), axis=1, keepdims=True)  # the diagonal pairs
+    dq_ref[...] = (dq + d * kf)[:, :K].astype(dq_ref.dtype)
+    dk_ref[...] = (dk + d * qf)[:, :K].astype(dk_ref.dtype)
+    dv_ref[...] = dv[:, :V].astype(dv_ref.dtype)
+    dg_ref[...] = dg[:, :K].astype(dg_ref.dtype)
+
+    @pl.when(i == pl.num_programs(2) - 1)
+    def _():
+        ds0_ref[...] = dS_prev[:K, :V]
+
+
+def _consts(C: int) -> tuple[Array, Array]:
+    m = sum_matrix(C)
+    return jnp.asarray(m, bf16), jnp.asarray(np.ascontiguousarray(m.T), bf16)
+
+
+def _whole(a: Array | jax.ShapeDtypeStruct) -> pl.BlockSpec:
+    """The whole array, the same block at every step (fetched once)."""
+    return pl.BlockSpec(a.shape, lambda *_: (0,) * len(a.shape))
+
+
+def _params() -> pltpu.CompilerParams:
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+
+
+def _vmem(C: int, K: int, V: int, xs: tuple[Array, ...]) -> list:
+    """VMEM scratch: the fp32 state (or its gradient) at whole lanes, then one widening buffer
+    per row operand in ``xs`` (``_wide``)."""
+    return [pltpu.VMEM((lanes(K), lanes(V)), f32)] + [pltpu.VMEM((C, lanes(x.shape[-1])), x.dtype) for x in xs]
+
+
+def _forward(q, k, v, g, s0, scale: float, C: int, interpret: bool):
+    """[B, H, T, D] -> (o, chunk-start states [B, H, N, K, V], final state)."""
+    B, H, T, K = q.shape
+    V, N = v.shape[-1], T // C
+    m, _ = _consts(C)
+    rows = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, c: (b, h, c, 0))  # noqa: E731
+    state = pl.BlockSpec((None, None, K, V), lambda b, h, c: (b, h, 0, 0))
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, scale=scale),
+        grid=(B, H, N),
+        in_specs=[_whole(m), rows(K), rows(K), rows(V), rows(K), state],
+        out_specs=[rows(V), pl.BlockSpec((None, None, None, K, V), lambda b, h, c: (b, h, c, 0, 0)), state],
+        out_shape=[
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct((B, H, N, K, V), f32),
+            jax.ShapeDtypeStruct((B, H, K, V), f32),
+        ],
+        scratch_shapes=_vmem(C, K, V, (q, k, v, g)),
+        compiler_params=_params(),
+        interpret=interpret,
+        name=MOSAIC_KERNELS[0],
+    )(m, q, k, v, g, s0)
+
+
+def _backward(q, k, v, g, do, starts, dsT, scale: float, C: int, interpret: bool):
+    """(dq, dk, dv, dg, d initial state), chunks walked from the last."""
+    B, H, T, K = q.shape
+    V, N = v.shape[-1], T // C
+    m, mt = _consts(C)
+    rows = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, i: (b, h, N - 1 - i, 0))  # noqa: E731
+    state = pl.BlockSpec((None, None, K, V), lambda b, h, i: (b, h, 0, 0))
+    start = pl.BlockSpec((None, None, None, K, V), lambda b, h, i: (b, h, N - 1 - i, 0, 0))
+    scratch = _vmem(C, K, V, (q, k, v, g, do))
+    return pl.pallas_call(
+        functools.partial(_bwd_kernel, scale=scale),
+        grid=(B, H, N),
+        in_specs=[_whole(m), _whole(mt), rows(K), rows(K), rows(V), rows(K), rows(V), start, state],
+        out_specs=[rows(K), rows(K), rows(V), rows(K), state],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, g)]
+        + [jax.ShapeDtypeStruct((B, H, K, V), f32)],
+        scratch_shapes=[scratch[0], pltpu.VMEM((lanes(K), lanes(V)), f32), *scratch[1:]],  # dS, S, widened rows
+        compiler_params=_params(),
+        interpret=interpret,
+        name=MOSAIC_KERNELS[1],
+    )(m, mt, q, k, v, g, do, starts, dsT)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _gla(q, k, v, g, s0, scale: float, C: int, interpret: bool):
+    o, _, sT = _forward(q, k, v, g, s0, scale, C, interpret)
+    return o, sT
+
+
+def _gla_fwd(q, k, v, g, s0, scale, C, interpret):
+    o, starts, sT = _forward(q, k, v, g, s0, scale, C, interpret)
+    return (o, sT), (q, k, v, g, checkpoint_name(starts, "gla_states"))  # model.remat="save_gla" keeps them
+
+
+def _gla_bwd(scale, C, interpret, res, cot):
+    q, k, v, g, starts = res
+    do, dsT = cot
+    return _backward(q, k, v, g, do.astype(v.dtype), starts, dsT.astype(f32), scale, C, interpret)
+
+
+_gla.defvjp(_gla_fwd, _gla_bwd)
+
+
+def mosaic_gla(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    s0: Array,
+    *,
+    scale: float,
+    chunk_size: int = 128,
+    interpret: bool = False,
+) -> tuple[Array, Array]:
+    """GLA over q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K] (log-decays <= 0) from state s0
+    [B, H, K, V]: (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32). Any T >= 1 (the
+    tail is padded with state-neutral positions); ``chunk_size`` a power of two >= 16, and a
+    multiple of 128 where the kernel compiles (TPU)."""
+    if (problem := chunk_size_problem("mosaic", chunk_size)) is not None:
+        raise ValueError(problem)
+    if not interpret and chunk_size % 128:
+        raise ValueError(
+            f"the Mosaic GLA kernel compiles for TPU with chunk_size a multiple of 128 (got {chunk_size}): "
+            "libtpu rejects narrower contractions of operands computed in the kernel. Use model.chunk_size=128."
+        )
+    T = q.shape[1]
+    Tp = -(-T // chunk_size) * chunk_size
+
+    def heads_major(x):  # [B, T, H, d] -> [B, H, Tp, d] (state-neutral zeros after T)
+        return jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, Tp - T), (0, 0)))
+
+    o, sT = _gla(
+        heads_major(q), heads_major(k), heads_major(v), heads_major(g.astype(f32)), s0.astype(f32),
+        scale, chunk_size, interpret,
+    )  # fmt: skip
+    return jnp.swapaxes(o[:, :, :T], 1, 2), sT
+
+
+def mosaic_interpret() -> bool:
+    """Whether the Mosaic kernel runs in the Pallas interpreter for the platform being traced
+    for (CPU), is compiled (TPU, a deviceless TPU compile included), or cannot run (raises)."""
+    target = compile_target()
+    if target in ("cpu", "tpu"):
+        return target == "cpu"
+    raise ValueError(
+        f"the Mosaic GLA kernel lowers only on TPU; this backend is {target!r}. "
+        "Use model.attn_impl='chunk' (or 'auto', which picks a kernel for the backend)."
+    )

@@ -1,0 +1,160 @@
+"""The TPU compiler's static schedule of this project's Mosaic (Pallas TPU) kernels, in cycles.
+
+The TPU compiler writes no ``estimated_cycles`` on a Mosaic kernel unless libtpu is started with
+``--xla_jf_dump_static_llo_profile_to=DIR``; then it profiles the kernel's scheduled bundles
+(VLIW instructions, with their latencies) and puts the cycles on the custom call. The flag is
+read once, when libtpu loads, and the profile's time and memory grow faster than the grid (a
+3B layer's backward, 2,048 grid steps, outgrows this machine). So ``tpu.mosaic_cycles`` runs
+this module in a child process: it compiles one kernel for one TPU chip at the program's chunk
+and head widths with one batch row, a few heads and a short sequence, prints the cycles, and
+the parent scales them to the program's grid steps (batch rows x heads x chunks: the steps are
+alike, and the cycles are linear in each, which ``tests/test_tpu.py`` checks).
+
+    python -m laplace_jax.tools.mosaic_profile --chip v5e --kernel gla_mosaic_fwd \
+        --shape 1024,128,96,192 --dtype bfloat16 --heads 2,4
+
+prints {"kernel": ..., "heads": [2, 4], "cycles": [...]} as JSON. The cycles are the compiler's
+static schedule, which counts no HBM transfer time: ``tpu`` sets it beside a DMA floor.
+``--calibration`` profiles a compute-bound Mosaic program instead, an 8192^3 bf16 matmul in
+512-wide tiles, whose cycles over the chip's clock give the share of its peak (the XLA matmul's
+estimate is 88-90%; ``tests/test_tpu.py`` holds this one to the same band).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+TOPOLOGY = {"v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}  # one chip of each generation
+
+
+def kernel_args(kernel: str, heads: int, T: int, C: int, K: int, V: int, dtype: str) -> tuple:
+    """The Mosaic GLA kernel ``kernel`` and ShapeDtypeStructs of its operands for one batch row of
+    ``heads`` heads."""
+    import jax
+    import jax.numpy as jnp
+
+    from laplace_jax.ops.gla import mosaic
+
+    S = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    rows = lambda d, t=dtype: S((1, heads, T, d), t)  # noqa: E731
+    state = S((1, heads, K, V), f32)
+    fwd_name, bwd_name = mosaic.MOSAIC_KERNELS
+    if kernel == fwd_name:
+        fn = lambda q, k, v, g, s0: mosaic._forward(q, k, v, g, s0, 1.0, C, False)  # noqa: E731
+        return fn, (rows(K), rows(K), rows(V), rows(K, f32), state)
+    if kernel == bwd_name:
+        starts = S((1, heads, T // C, K, V), f32)
+
+        def fn(q, k, v, g, do, st, ds):
+            return mosaic._backward(q, k, v, g, do, st, ds, 1.0, C, False)
+
+        return fn, (rows(K), rows(K), rows(V), rows(K, f32), rows(V), starts, state)
+    raise ValueError(f"unknown Mosaic kernel {kernel!r}; known: {fwd_name}, {bwd_name}")
+
+
+CALIBRATION_N, CALIBRATION_TILE = 8192, 512
+
+
+def calibration_matmul():
+    """(fn, args): an N^3 bf16 matmul as a Pallas TPU kernel, fp32 accumulation in VMEM."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    n, t = CALIBRATION_N, CALIBRATION_TILE
+
+    def kernel(x_ref, y_ref, o_ref, acc_ref):
+        @pl.when(pl.program_id(2) == 0)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+        @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+        def _():
+            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+    def fn(x, y):
+        return pl.pallas_call(
+            kernel,
+            grid=(n // t, n // t, n // t),
+            in_specs=[pl.BlockSpec((t, t), lambda i, j, k: (i, k)), pl.BlockSpec((t, t), lambda i, j, k: (k, j))],
+            out_specs=pl.BlockSpec((t, t), lambda i, j, k: (i, j)),
+            out_shape=jax.ShapeDtypeStruct((n, n), jnp.bfloat16),
+            scratch_shapes=[pltpu.VMEM((t, t), jnp.float32)],
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+            name="calibration_matmul",
+        )(x, y)
+
+    return fn, (jax.ShapeDtypeStruct((n, n), jnp.bfloat16),) * 2
+
+
+def _cycles(text: str, kernel: str) -> int:
+    """The estimated cycles of the one Mosaic call of ``kernel`` in a compiled module's text."""
+    calls = [ln for ln in text.splitlines() if "tpu_custom_call" in ln and kernel in ln]
+    found = [int(m.group(1)) for ln in calls if (m := _CYCLES.search(ln))]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one estimated {kernel} call in the compiled program, found {len(found)}")
+    return found[0]
+
+
+def _compiled_text(chip_name: str, fn, args) -> str:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from laplace_jax.platform import compiling_for
+    from laplace_jax.tpu import tpu_devices
+
+    _, devices = tpu_devices(TOPOLOGY[chip_name])
+    one = NamedSharding(Mesh(np.asarray(devices[:1]), ("x",)), P())
+    args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one) for a in args)
+    with compiling_for("tpu"):
+        return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def profile(chip_name: str, kernel: str, shape: tuple[int, int, int, int], dtype: str, heads: list[int]) -> list[int]:
+    """Cycles of ``kernel`` at each head count (this process must have started libtpu with the
+    static profile flag: ``main`` does)."""
+    return [_cycles(_compiled_text(chip_name, *kernel_args(kernel, h, *shape, dtype)), kernel) for h in heads]
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "python -m laplace_jax.tools.mosaic_profile"
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    ap.add_argument("--chip", choices=sorted(TOPOLOGY), required=True)
+    ap.add_argument("--kernel", help="gla_mosaic_fwd or gla_mosaic_bwd")
+    ap.add_argument("--shape", help="T,C,K,V: sequence, chunk, key and value head widths")
+    ap.add_argument("--calibration", action="store_true", help="the calibration matmul instead of a kernel")
+    ap.add_argument("--dtype", default="bfloat16", help="q, k, v dtype")
+    ap.add_argument("--heads", default="2,4", help="head counts to compile (one batch row)")
+    a = ap.parse_args(argv)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    flag = f"--xla_jf_dump_static_llo_profile_to={tempfile.mkdtemp(prefix='mosaic_profile_')}"
+    os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flag}".strip()
+    if a.calibration:
+        cycles = _cycles(_compiled_text(a.chip, *calibration_matmul()), "calibration_matmul")
+        flops = 2 * CALIBRATION_N**3
+        print(json.dumps({"program": f"matmul {CALIBRATION_N}^3 bf16 (Mosaic)", "chip": a.chip, "cycles": cycles,
+                          "flops": flops}))  # fmt: skip
+        return 0
+    if not (a.kernel and a.shape):
+        ap.error("say --kernel and --shape (or --calibration)")
+    shape = tuple(int(x) for x in a.shape.split(","))
+    heads = [int(x) for x in a.heads.split(",")]
+    cycles = profile(a.chip, a.kernel, shape, a.dtype, heads)
+    print(json.dumps({"kernel": a.kernel, "chip": a.chip, "shape": shape, "heads": heads, "cycles": cycles}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
