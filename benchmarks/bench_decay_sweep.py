@@ -4,9 +4,9 @@
 
 For each per-token log-decay g in {-0.01, -0.1, -1, -4, -8, -16} (nearly uniform: 5% jitter per
 token and channel) and "mixed" (each key channel at one of those), B2 T150 H2 K32 V32, chunk 64,
-fp32 inputs with an initial state and a final-state cotangent, it compares the gradients of
-``chunk_gla`` (XLA kernel; Pallas kernel, interpreted off GPU) with ``jax.grad`` of the plain
-token recurrence (``recurrent_gla``) in float64. Two errors per gradient, both relative to the
+fp32 inputs with an initial state and a final-state cotangent, it compares the gradients of the
+GLA kernels (XLA; the Pallas GPU and TPU kernels, interpreted off their hardware) with ``jax.grad``
+of the plain token recurrence (``recurrent_gla``) in float64. Two errors per gradient, both relative to the
 reference's max |value|: per element, and summed over batch and positions (what a gate bias sees);
 for dg also per channel (each (head, key channel) against its own max |value|), so the "mixed"
 row cannot hide a strongly decaying channel behind a weak one's larger gradients.
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     def kernel(name: str):
         return grad_fn(lambda q, k, v, g, s0: gla(q, k, v, g, impl=name, initial_state=s0, chunk_size=C))
 
-    kernels = {name: kernel(name) for name in ("chunk", "pallas")}
+    kernels = {name: kernel(name) for name in ("chunk", "pallas", "mosaic")}
     if a.baseline:
         base = baseline_chunk_gla(a.baseline)
         kernels["baseline"] = grad_fn(lambda q, k, v, g, s0: base(q, k, v, g, s0, C))

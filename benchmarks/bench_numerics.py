@@ -5,12 +5,12 @@
 Each figure is the worst case over the inputs the tests use (``ops.gla.naive.random_gla_inputs``),
 measured against the package's float64 reference (``ops/gla/naive.py``: NumPy, no shared code
 with the kernels; the tests check the kernels against the PyTorch one in ``tests/torch_gla.py``):
-- forward: max |o - o64| / max |o64| of ``chunk_gla`` (XLA and Pallas kernels; Pallas
-  interpreted off GPU) and ``recurrent_gla`` in fp32 against the float64 recurrence, over T,
+- forward: max |o - o64| / max |o64| of ``chunk_gla`` (the XLA kernel and the Pallas GPU and
+  TPU kernels, interpreted here) and ``recurrent_gla`` in fp32 against the float64 recurrence, over T,
   weak and strong decay, with and without an initial state (outputs and final states);
 - gradients: the same error for dq, dk, dv, dg and d initial state against the float64
   reverse-time recurrence (T=150, chunk 64), and against ``jax.grad(recurrent_gla)`` (T=300);
-- bf16: RMS relative error of ``chunk_gla`` on bf16 inputs vs fp32 (T=512; output, and the worst
+- bf16: RMS relative error of each kernel on bf16 inputs vs fp32 (T=512; output, and the worst
   of dq, dk, dv, dg for a random output cotangent), and of a random
   2-layer model's logits with bf16 compute vs fp32 (T=200).
 The tests assert the bounds; this script records the figures the README quotes.
@@ -33,6 +33,7 @@ from laplace_jax.ops.gla.naive import naive_gla, naive_gla_vjp, random_gla_input
 
 T_CHUNK = (1, 100, 128, 300, 2048)
 T_PALLAS = (100, 128, 2048)  # the interpreter is slow on CPU; the tests use the same subset
+PALLAS = ("pallas", "mosaic")  # the Pallas kernels (GPU, TPU), interpreted here
 GRADS = ("q", "k", "v", "g", "s0")
 
 
@@ -41,14 +42,15 @@ def _chunk(kernel: str, chunk_size: int = 128):
 
 
 def forward_errors() -> dict[str, float]:
-    worst = {"chunk": 0.0, "pallas": 0.0, "recurrent": 0.0}
+    worst = dict.fromkeys(("chunk", *PALLAS, "recurrent"), 0.0)
     cases = [(T, d, s) for T in sorted(set(T_CHUNK) | set(T_PALLAS)) for d in ("weak", "strong") for s in (False, True)]
     for T, decay, with_state in tqdm(cases, desc="forward vs float64"):
         q, k, v, g, s0 = random_gla_inputs(T, decay, seed=T)
         init = s0 if with_state else None
         o64, s64 = naive_gla(q, k, v, g, initial_state=init)
         fns = {"recurrent": recurrent_gla}
-        fns.update({kernel: _chunk(kernel) for kernel, ts in (("chunk", T_CHUNK), ("pallas", T_PALLAS)) if T in ts})
+        lengths = {"chunk": T_CHUNK} | dict.fromkeys(PALLAS, T_PALLAS)
+        fns.update({kernel: _chunk(kernel) for kernel, ts in lengths.items() if T in ts})
         for name, fn in fns.items():
             o, s = fn(q, k, v, g, initial_state=init)
             worst[name] = max(worst[name], rel_error(o, o64), rel_error(s, s64))
@@ -66,7 +68,7 @@ def _grads(fn, w_o: np.ndarray, w_s: np.ndarray, inputs: tuple) -> tuple:
 
 def gradient_errors() -> dict[str, dict[str, float]]:
     out = {}
-    for kernel in ("chunk", "pallas"):
+    for kernel in ("chunk", *PALLAS):
         vs_float64, vs_recurrent = [], []
         for decay in ("weak", "strong"):
             inputs = random_gla_inputs(150, decay, seed=11)
@@ -108,7 +110,7 @@ def bf16_errors() -> dict[str, float]:
     ref, _ = chunk_gla(q, k, v, g)
     ref_grads = grads("chunk", jnp.float32)
     out = {}
-    for kernel in ("chunk", "pallas"):
+    for kernel in ("chunk", *PALLAS):
         o, _ = gla(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), g, impl=kernel)
         out[f"kernel_{kernel}"] = _rms_rel(o, ref)
         out[f"gradients_{kernel}"] = max(map(_rms_rel, grads(kernel, jnp.bfloat16), ref_grads))

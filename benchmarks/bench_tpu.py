@@ -5,16 +5,19 @@
 
 Rows (each compiled by the real TPU compiler for a deviceless topology; every time is the
 compiler's estimate, not a measurement):
-- kernel:   ``chunk_gla`` at the 3B layer (B4 T4096 H16 K96 V192, bf16, chunk 128) on v5e and
-            v5p, forward and forward + backward, against the memory and FLOP limits;
+- kernel:   both TPU GLA kernels, ``chunk_gla`` (XLA) and ``mosaic_gla`` (Pallas TPU), at the 3B
+            layer (B4 T4096 H16 K96 V192, bf16, chunk 128) on v5e and v5p, forward and forward +
+            backward, against the memory and FLOP limits (Mosaic kernels: ``tpu.MOSAIC_LABEL``);
 - decode:   3B ``decode_step`` at W=256 on one v5p chip, bf16 weights as plain arrays and packed,
             and serving's decode program at W=256 (4 tokens per call; the row adds per-token time);
 - prefill:  3B ``prefill`` of one prompt of 128, 512 and 2048 tokens on one v5p chip: tokens/s
             against the FLOP limit;
 - train:    ``configs/gla_340m.py`` at 16 x 2048 tokens, bf16, on v5e:2x2, and ``configs/3b.py``
-            (Muon, FSDP over 16 chips) on v5p:2x2x4: step time, tokens/s, MFU, memory per chip;
+            (Muon, FSDP over 16 chips) on v5p:2x2x4, each with the default kernel (XLA on TPU)
+            and with ``model.attn_impl=mosaic``: step time, tokens/s, MFU, memory per chip;
 - calibration (``--only calibration``): an 8192^3 bf16 matmul and a 1 GiB-in, 1 GiB-out fp32
-            elementwise op on v5e and v5p, as shares of the chip's published peak and bandwidth.
+            elementwise op on v5e and v5p, as shares of the chip's published peak and bandwidth,
+            and the same matmul as a Pallas TPU kernel, timed as Mosaic kernels are.
 Each row keeps the report's headline figures and its top sources; ``--full`` keeps every field.
 """
 
@@ -32,9 +35,12 @@ ROWS = ("kernel", "decode", "prefill", "train")
 PREFILL_LENGTHS = (128, 512, 2048)
 SERVE_STEPS = 4  # serving's default tokens per decode call
 EXTRA = ("calibration",)  # not in the default set: its own JSON (tpu_calibration.json)
+_340M = {"data": {"global_batch": 16}, "model": {"dtype": "bfloat16"}}
 TRAIN = (  # (config, topology, overrides)
-    ("configs/gla_340m.py", "v5e:2x2", {"data": {"global_batch": 16}, "model": {"dtype": "bfloat16"}}),
+    ("configs/gla_340m.py", "v5e:2x2", _340M),
+    ("configs/gla_340m.py", "v5e:2x2", {"data": _340M["data"], "model": {**_340M["model"], "attn_impl": "mosaic"}}),
     ("configs/3b.py", "v5p:2x2x4", {}),
+    ("configs/3b.py", "v5p:2x2x4", {"model": {"attn_impl": "mosaic"}}),
 )
 
 
@@ -54,6 +60,7 @@ def _headline(rep: dict[str, Any], top: int, full: bool) -> dict[str, Any]:
         "loops": est["loops"],
         "top_sources": est["by_source"][:top],
         "unestimated": est["unestimated"],
+        "mosaic": est["mosaic"],
     }
 
 
@@ -100,7 +107,22 @@ def _calibration() -> list[dict[str, Any]]:
             out.append(
                 {"program": name, "chip": chip.name, "estimate_s": est["seconds"], "rate": rate, "share": rate / peak}
             )
+        out.append(_mosaic_calibration(chip))
     return out
+
+
+def _mosaic_calibration(chip) -> dict[str, Any]:
+    """The calibration matmul as a Pallas TPU kernel, its static schedule read in a child process
+    (``tools/mosaic_profile``), as the reports read the GLA kernels'."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, "-m", "laplace_jax.tools.mosaic_profile", "--chip", chip.name, "--calibration"]
+    res = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    seconds = res["cycles"] / (chip.clock_ghz * 1e9)
+    rate = res["flops"] / seconds
+    return {"program": res["program"], "chip": chip.name, "estimate_s": seconds, "rate": rate,
+            "share": rate / (chip.peak_bf16_tflops * 1e12)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

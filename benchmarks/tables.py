@@ -68,11 +68,11 @@ def _width(report: dict, width: int) -> dict:
 
 
 def _sweep_worst(sweep: dict, kinds: tuple[str, ...]) -> float:
-    """The decay sweep's worst relative gradient error of either kernel, over every decay and gradient."""
+    """The decay sweep's worst relative gradient error of any kernel, over every decay and gradient."""
     return max(
         e[kind]
         for d in sweep["decays"].values()
-        for gradients in (d["chunk"], d["pallas"])
+        for gradients in (d["chunk"], d["pallas"], d["mosaic"])
         for e in gradients.values()
         for kind in kinds
         if kind in e
@@ -98,6 +98,8 @@ def _tpu_programs(r: dict) -> list[str]:
         name = rep["program"]
         if "steps_per_call" in rep:  # one call decodes several tokens: say so, with the time per token
             name += f", {rep['steps_per_call']} tokens per call ({_ms(rep['per_token_s'])} per token)"
+        if rep.get("mosaic"):  # timed as Mosaic kernels are (tpu.MOSAIC_LABEL)
+            name += " [Mosaic: static schedule or DMA floor]"
         rows.append(
             f"| {name} | {rep['chip']} | {_ms(rep['estimate_s'])} | {_ms(rep['limit_s'])} ({lim['bound']}) "
             f"| {rep['estimate_over_limit']:.1f}x | {_gib(rep['memory']['temporaries'])} |"
@@ -123,12 +125,18 @@ def _tpu_train(r: dict) -> list[str]:
 def _tpu_sources(r: dict) -> list[str]:
     rows = ["| program | share of the estimate | JAX source (primitives) |", "|---|---|---|"]
     for rep in (*r["rows"].get("kernel", []), *r["rows"].get("decode", []), *r["rows"].get("train", [])):
-        name = f"train step, `{rep['config']}` on {rep['topology']}" if "config" in rep else rep["program"]
+        name = f"train step, `{rep['config']}`{_impl(rep)} on {rep['topology']}" if "config" in rep else rep["program"]
         for src in rep["top_sources"][:3]:
             prims = sorted(src["primitives"].items(), key=lambda kv: -kv[1])[:2]
             names = ", ".join(p for p, _ in prims)
             rows.append(f"| {name} ({rep['chip']}) | {100 * src['share']:.1f}% | `{src['source']}` ({names}) |")
     return rows
+
+
+def _impl(t: dict) -> str:
+    """A train row's kernel override, as its name shows it (empty for the default)."""
+    impl = t["overrides"].get("model", {}).get("attn_impl")
+    return f", model.attn_impl={impl}" if impl else ""
 
 
 def _program_rows(r: dict) -> dict[str, tuple[str, float, float | None]]:
@@ -137,16 +145,21 @@ def _program_rows(r: dict) -> dict[str, tuple[str, float, float | None]]:
     for rep in (*r["rows"].get("kernel", []), *r["rows"].get("decode", [])):
         out[f"{rep['program']} ({rep['chip']})"] = (rep["chip"], rep["estimate_s"], None)
     for t in r["rows"].get("train", []):
-        out[f"train step, `{t['config']}`"] = (t["topology"], t["run"]["step_s"], t["run"]["mfu"])
+        out[f"train step, `{t['config']}`{_impl(t)}"] = (t["topology"], t["run"]["step_s"], t["run"]["mfu"])
     return out
+
+
+def _wave3_name(name: str) -> str:
+    """The baseline row a program is compared with: the same program with wave 3's kernel."""
+    return name.replace("mosaic_gla", "chunk_gla").replace(", model.attn_impl=mosaic", "")
 
 
 def _tpu_before_after(r: dict, baseline: dict) -> list[str]:
     before = _program_rows(baseline)
     rows = ["| program | TPU | before (wave 3) | now | now / before |", "|---|---|---|---|---|"]
     for name, (chip, now_s, mfu) in _program_rows(r).items():
-        if name in before:
-            was = before[name]
+        if _wave3_name(name) in before:
+            was = before[_wave3_name(name)]
             mfus = f" (MFU {100 * was[2]:.1f}% -> {100 * mfu:.1f}%)" if mfu is not None else ""
             rows.append(f"| {name} | {chip} | {_ms(was[1])} | {_ms(now_s)}{mfus} | {now_s / was[1]:.2f} |")
     return rows
@@ -166,7 +179,7 @@ def _tpu_prefill(r: dict) -> list[str]:
 
 def _tpu_calibration(r: dict) -> list[str]:
     rows = ["| program | chip | compiler estimate | rate | share of the published limit |", "|---|---|---|---|---|"]
-    for c in r["rows"]["calibration"]:
+    for c in r["rows"]["calibration"]:  # a Mosaic row's estimate is its static schedule (tpu.MOSAIC_LABEL)
         rate = f"{c['rate'] / 1e12:,.1f} TFLOP/s" if "matmul" in c["program"] else f"{c['rate'] / 1e9:,.0f} GB/s"
         rows.append(f"| {c['program']} | {c['chip']} | {_ms(c['estimate_s'])} | {rate} | {100 * c['share']:.0f}% |")
     return rows
@@ -270,8 +283,9 @@ def _attention_tpu(r: dict) -> list[str]:
 def _headlines(first_run: dict, sweep: dict, tpu: dict, decode: dict, muon: dict) -> list[str]:
     """README's short list: one figure per part of the product, each read from its JSON."""
     worst = _sweep_worst(sweep, ("per_element", "summed"))
-    kernel = {(x["chip"], x["program"].rsplit(", ", 1)[1]): x for x in tpu["rows"]["kernel"]}
-    fwd, both = kernel["v5e", "forward"], kernel["v5e", "forward + backward"]
+    kernel = {(x["program"].split()[0], x["chip"], x["program"].rsplit(", ", 1)[1]): x for x in tpu["rows"]["kernel"]}
+    fwd, both = kernel["mosaic_gla", "v5e", "forward"], kernel["mosaic_gla", "v5e", "forward + backward"]
+    train = next(t for t in tpu["rows"]["train"] if t["config"] == "configs/3b.py" and _impl(t))
     step = next(x for x in tpu["rows"]["decode"] if x["program"] == "decode_step W=256, bf16 weights")
     w256 = _width(decode, 256)
     bf16 = muon["bfloat16"]
@@ -282,15 +296,22 @@ def _headlines(first_run: dict, sweep: dict, tpu: dict, decode: dict, muon: dict
             "2 CPU cores",
         ],
         [
-            "GLA gradients (both kernels) vs a float64 recurrence, decays -0.01 to -16 nats/token",
+            "GLA gradients (XLA and both Pallas kernels) vs a float64 recurrence, decays -0.01 to -16 nats/token",
             f"worst {_sci(worst)} relative",
             "CPU, fp32",
         ],
         [
-            "GLA kernel at the 3B layer (B4 T4096 H16), bf16",
+            "GLA kernel at the 3B layer (B4 T4096 H16), bf16, the Pallas TPU kernel (`model.attn_impl=mosaic`)",
             f"forward {_ms(fwd['estimate_s'])}, forward + backward {_ms(both['estimate_s'])} "
             f"({fwd['estimate_over_limit']:.1f}x and {both['estimate_over_limit']:.1f}x their hand-counted limits)",
-            "TPU v5e, the compiler's estimate (no TPU ran)",
+            "TPU v5e, the compiler's estimate (of a Mosaic kernel: its static schedule; no TPU ran)",
+        ],
+        [
+            "3B train step on 16 chips (Muon, FSDP), the Pallas TPU kernel",
+            f"MFU {100 * train['run']['mfu']:.1f}%, {train['run']['tokens_per_s']:,.0f} tokens/s "
+            f"(the original team measured {train['seed']['tokens_per_s']:,.0f} on {train['seed']['chips']} "
+            "Trainium2 chips)",
+            "TPU v5p:2x2x4, the compiler's estimate",
         ],
         [
             "3B decode step, 256 sequences, bf16",
@@ -420,9 +441,12 @@ def _decay_sweep(r: dict) -> list[str]:
 
     rows = []
     for decay, row in r["decays"].items():
-        x, p, b = row["chunk"], row["pallas"], row["baseline"]
-        rows.append([decay, cell(x["g"]), cell(p["g"]), f"{others(x)} / {others(p)}", cell(b["g"])])
-    return _grid(["g per token", "dg, XLA", "dg, Pallas", "others", "dg, kernel before (XLA)"], rows)
+        x, p, m, b = row["chunk"], row["pallas"], row["mosaic"], row["baseline"]
+        rows.append(
+            [decay, cell(x["g"]), cell(p["g"]), cell(m["g"]), f"{others(x)} / {others(p)} / {others(m)}", cell(b["g"])]
+        )
+    head = ["g per token", "dg, XLA", "dg, Pallas GPU", "dg, Pallas TPU", "others", "dg, kernel before (XLA)"]
+    return _grid(head, rows)
 
 
 REMAT_RECOMPUTES = {  # what each policy's backward recomputes (model.remat's definitions)
@@ -845,20 +869,20 @@ def _numerics_exact(default: dict, exact: dict) -> list[str]:
 
 TOLERANCES = (  # comparison, the bound its test asserts, the measured cell (None: "passes", nothing stored)
     (
-        "`chunk_gla` (XLA and Pallas kernels) and `recurrent_gla` (fp32) vs the float64 recurrence, T in "
-        "{1, 100, 128, 300, 2048} (Pallas, interpreted: {100, 128, 2048}), weak and strong decay (per-token "
-        "log-decay down to -50), with and without an initial state",
+        "`chunk_gla` (XLA kernel), the Pallas GPU and TPU kernels and `recurrent_gla` (fp32) vs the float64 "
+        "recurrence, T in {1, 100, 128, 300, 2048} (Pallas, interpreted: {100, 128, 2048}), weak and strong decay "
+        "(per-token log-decay down to -50), with and without an initial state",
         "max abs error <= 1e-4 x max abs output",
         "forward",
     ),
     (
-        "gradients of `chunk_gla`, both kernels (hand-written backwards: dq, dk, dv, dg, d initial state; output "
+        "gradients of the three kernels (hand-written backwards: dq, dk, dv, dg, d initial state; output "
         "and final-state cotangents) vs the float64 reverse-time gradient, T=150",
         "same bound",
         "gradients",
     ),
     (
-        "gate gradient across decays: all five gradients of both kernels vs float64 torch autograd, per-token "
+        "gate gradient across decays: all five gradients of the three kernels vs float64 torch autograd, per-token "
         "log-decay -0.01, -0.1, -1, -4, -8, -16 and mixed per channel, T=150",
         "per element <= 2e-6, summed over positions <= 1e-5, dg per channel <= 2e-6",
         "decays",
@@ -871,15 +895,9 @@ TOLERANCES = (  # comparison, the bound its test asserts, the measured cell (Non
     ),
     ("same gradients vs `jax.grad` of `recurrent_gla`, fp32, T=300", "same bound", "vs_recurrent"),
     (
-        "`jax.test_util.check_grads` (finite differences, reverse mode) of `chunk_gla`, both kernels, with "
-        "initial state",
-        "atol = rtol = 2e-2 (fp32 finite differences)",
-        None,
-    ),
-    (
-        "Pallas kernel vs XLA kernel: chunk sizes 16/64/256, odd K and V (padding), value tiles, edge shapes "
-        "(T=1, one sub-block per chunk, partial tiles: outputs and all five gradients), whole model logits and "
-        "gradients under `jit`",
+        "Pallas kernels vs XLA kernel: chunk sizes 16/64/256, odd K and V (padding), edge shapes (T=1, one "
+        "sub-block per chunk, partial tiles, K96/V192 and K128/V256 at chunk 128: outputs and all five "
+        "gradients), whole model logits and gradients under `jit`; the GPU kernel's value tiles",
         "1e-4 x max abs output; model gradients 1e-4 relative + 1e-5 x max",
         None,
     ),
@@ -895,7 +913,7 @@ TOLERANCES = (  # comparison, the bound its test asserts, the measured cell (Non
     ),
     ("prefill + N decode steps vs one forward pass, fp32", "1e-5 x max abs logit", None),
     (
-        "`chunk_gla` with bf16 inputs vs fp32: output, and gradients (worst of dq, dk, dv, dg)",
+        "each kernel with bf16 inputs vs fp32: output, and gradients (worst of dq, dk, dv, dg)",
         "RMS relative error < 2e-2",
         "bf16_kernel",
     ),
@@ -925,13 +943,16 @@ def _tolerances(kernels: dict, sweep: dict, default: dict, exact: dict) -> list[
     worst = _sweep_worst(sweep, ("per_element", "summed", "per_channel"))
     greedy = default["greedy_fp32_vs_bf16"]
     measured = {
-        "forward": f"<= {_sci(fwd['chunk'])} (XLA), <= {_sci(fwd['pallas'])} (Pallas, interpreted), "
-        f"<= {_sci(fwd['recurrent'])} (recurrent); outputs and final states",
-        "gradients": f"{span('chunk')} (XLA), {span('pallas')} (Pallas)",
-        "decays": f"worst {_sci(worst)} over the decays and both kernels (BENCHMARKS.md, `bench_decay_sweep`)",
-        "vs_recurrent": f"<= {vs_recurrent('chunk')} (XLA), <= {vs_recurrent('pallas')} (Pallas)",
-        "bf16_kernel": f"{_sci(bf16['kernel_chunk'])} (XLA), {_sci(bf16['kernel_pallas'])} (Pallas); gradients "
-        f"{_sci(bf16['gradients_chunk'])} (XLA), {_sci(bf16['gradients_pallas'])} (Pallas)",
+        "forward": f"<= {_sci(fwd['chunk'])} (XLA), <= {_sci(fwd['pallas'])} (Pallas GPU, interpreted), "
+        f"<= {_sci(fwd['mosaic'])} (Pallas TPU, interpreted), <= {_sci(fwd['recurrent'])} (recurrent); "
+        "outputs and final states",
+        "gradients": f"{span('chunk')} (XLA), {span('pallas')} (Pallas GPU), {span('mosaic')} (Pallas TPU)",
+        "decays": f"worst {_sci(worst)} over the decays and the three kernels (BENCHMARKS.md, `bench_decay_sweep`)",
+        "vs_recurrent": f"<= {vs_recurrent('chunk')} (XLA), <= {vs_recurrent('pallas')} (Pallas GPU), "
+        f"<= {vs_recurrent('mosaic')} (Pallas TPU)",
+        "bf16_kernel": f"{_sci(bf16['kernel_chunk'])} (XLA), {_sci(bf16['kernel_pallas'])} (Pallas GPU), "
+        f"{_sci(bf16['kernel_mosaic'])} (Pallas TPU); gradients {_sci(bf16['gradients_chunk'])} (XLA), "
+        f"{_sci(bf16['gradients_pallas'])} (Pallas GPU), {_sci(bf16['gradients_mosaic'])} (Pallas TPU)",
         "bf16_model": _sci(bf16["model_logits"]),
         "report_fp32": _sci(default["jit_vs_eager"]["rms_rel"]),
         "report_bf16": f"{_sci(default['jit_vs_eager_bf16']['rms_rel'])}; with `--exact` "

@@ -114,8 +114,10 @@ def test_remat_and_recurrent_impl_give_same_logits():
 
 
 @pytest.mark.slow
-def test_pallas_impl_gives_the_same_logits_and_gradients_under_jit():
-    """model.attn_impl="pallas" (interpreted on CPU) against "chunk", through jit and grad; "auto" is "chunk" here."""
+@pytest.mark.parametrize("impl", ["pallas", "mosaic"])
+def test_pallas_impls_give_the_same_logits_and_gradients_under_jit(impl):
+    """model.attn_impl="pallas" / "mosaic" (interpreted on CPU) against "chunk", through jit and grad;
+    "auto" is "chunk" here."""
     kw = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1)
     params = init_params(ModelConfig(**kw), jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 40), 0, 61)
@@ -124,7 +126,7 @@ def test_pallas_impl_gives_the_same_logits_and_gradients_under_jit():
         loss = lambda p: jnp.sum(forward(ModelConfig(**kw, attn_impl=impl), p, tokens) ** 2)  # noqa: E731
         return jax.jit(jax.value_and_grad(loss))(params)
 
-    (ref_loss, ref), (loss, grads) = loss_and_grads("chunk"), loss_and_grads("pallas")
+    (ref_loss, ref), (loss, grads) = loss_and_grads("chunk"), loss_and_grads(impl)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(b))))
@@ -133,9 +135,9 @@ def test_pallas_impl_gives_the_same_logits_and_gradients_under_jit():
         jaxpr = jax.make_jaxpr(lambda p: forward(ModelConfig(**kw, attn_impl=impl), p, tokens))(params)
         return "pallas_call" in str(jaxpr)
 
-    assert uses_pallas("pallas") and not uses_pallas("auto")  # auto resolved to the XLA kernel on CPU
+    assert uses_pallas(impl) and not uses_pallas("auto")  # auto resolved to the XLA kernel on CPU
     with pytest.raises(ConfigError, match="power of two"):
-        ModelConfig(**{**kw, "chunk_size": 24}, attn_impl="pallas")
+        ModelConfig(**{**kw, "chunk_size": 24}, attn_impl=impl)
 
 
 @pytest.mark.slow
