@@ -130,13 +130,15 @@ def test_the_mosaic_profile_is_linear_in_heads_and_chunks():
     assert abs(per_step[0] / per_step[1] - 1) < 0.10, per_step
 
 
-def test_the_mosaic_kernel_compiles_and_its_report_counts_it():
-    """The Pallas TPU kernel compiles on the real Mosaic compiler (forward and backward), and the
-    report counts each call at max(static schedule, DMA floor): never left out, never free."""
+@pytest.mark.parametrize("topology", ["v5e:1x1", "v5p:1x1x1"])
+def test_the_mosaic_kernel_compiles_and_its_report_counts_it(topology):
+    """The Pallas TPU kernel compiles on the real Mosaic compiler (forward and backward) for v5e
+    and v5p (a megacore), and the report counts each call at max(static schedule, DMA floor):
+    never left out, never free."""
     from laplace_jax.tools.tpu_check import SHAPES, kernel_reports
     from laplace_jax.tpu import MOSAIC_LABEL
 
-    chip, devices = tpu_devices("v5e:1x1")
+    chip, devices = tpu_devices(topology)
     fwd, both = kernel_reports(chip, devices, SHAPES["small"], 128, impls=("mosaic",))
     assert [m["kernel"] for m in fwd["estimate"]["mosaic"]] == ["gla_mosaic_fwd"]
     assert sorted(m["kernel"] for m in both["estimate"]["mosaic"]) == ["gla_mosaic_bwd", "gla_mosaic_fwd"]
