@@ -17,7 +17,9 @@ compiler's estimate, not a measurement):
             and with ``model.attn_impl=mosaic``: step time, tokens/s, MFU, memory per chip;
 - calibration (``--only calibration``): an 8192^3 bf16 matmul and a 1 GiB-in, 1 GiB-out fp32
             elementwise op on v5e and v5p, as shares of the chip's published peak and bandwidth,
-            and the same matmul as a Pallas TPU kernel, timed as Mosaic kernels are.
+            and the same matmul as a Pallas TPU kernel, timed as Mosaic kernels are;
+- remat (``--only remat``): the 3B train step on v5p:2x2x4 with the Mosaic kernel under each
+            ``model.remat`` policy that fits (``none`` does not).
 Each row keeps the report's headline figures and its top sources; ``--full`` keeps every field.
 """
 
@@ -34,7 +36,8 @@ from benchmarks.common import write_result
 ROWS = ("kernel", "decode", "prefill", "train")
 PREFILL_LENGTHS = (128, 512, 2048)
 SERVE_STEPS = 4  # serving's default tokens per decode call
-EXTRA = ("calibration",)  # not in the default set: its own JSON (tpu_calibration.json)
+EXTRA = ("calibration", "remat")  # not in the default set: their own JSONs (tpu_calibration.json, tpu_remat.json)
+REMAT = ("full", "save_gla", "save_dots")
 _340M = {"data": {"global_batch": 16}, "model": {"dtype": "bfloat16"}}
 TRAIN = (  # (config, topology, overrides)
     ("configs/gla_340m.py", "v5e:2x2", _340M),
@@ -173,6 +176,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res["rows"]["calibration"] = _calibration()
     if "train" in only:
         res["rows"]["train"] = [_train_row(*row, a.top, a.full) for row in TRAIN]
+    if "remat" in only:
+        res["rows"]["remat"] = [
+            _train_row("configs/3b.py", "v5p:2x2x4", {"model": {"attn_impl": "mosaic", "remat": p}}, a.top, a.full)
+            for p in REMAT
+        ]
     res["seconds"] = time.perf_counter() - t0
     write_result(res, "bench_tpu", argv, a.out)
     return res

@@ -122,6 +122,11 @@ def _tpu_train(r: dict) -> list[str]:
     return rows
 
 
+def _tpu_remat(r: dict) -> list[str]:
+    """The 3B train step under each remat policy (``bench_tpu --only remat``), as the train table."""
+    return _tpu_train({"rows": {"train": r["rows"]["remat"]}})
+
+
 def _tpu_sources(r: dict) -> list[str]:
     rows = ["| program | share of the estimate | JAX source (primitives) |", "|---|---|---|"]
     for rep in (*r["rows"].get("kernel", []), *r["rows"].get("decode", []), *r["rows"].get("train", [])):
@@ -1015,6 +1020,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "tpu_sources": (("tpu_programs.json",), _tpu_sources),
     "tpu_prefill": (("tpu_programs.json",), _tpu_prefill),
     "tpu_calibration": (("tpu_calibration.json",), _tpu_calibration),
+    "tpu_remat": (("tpu_remat.json",), _tpu_remat),
     "tpu_before_after": (("tpu_programs.json", "tpu_baseline.json"), _tpu_before_after),
     "context_plans": (("context_plans.json",), _context_plans),
     "context_plans_tpu": (("context_plans_tpu.json",), _context_plans),
