@@ -117,11 +117,9 @@ def _calibration() -> list[dict[str, Any]]:
 def _mosaic_calibration(chip) -> dict[str, Any]:
     """The calibration matmul as a Pallas TPU kernel, its static schedule read in a child process
     (``tools/mosaic_profile``), as the reports read the GLA kernels'."""
-    import json
-    import subprocess
+    from laplace_jax.tpu import run_mosaic_profile
 
-    cmd = [sys.executable, "-m", "laplace_jax.tools.mosaic_profile", "--chip", chip.name, "--calibration"]
-    res = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    res = run_mosaic_profile("--chip", chip.name, "--calibration")
     seconds = res["cycles"] / (chip.clock_ghz * 1e9)
     rate = res["flops"] / seconds
     return {"program": res["program"], "chip": chip.name, "estimate_s": seconds, "rate": rate,

@@ -163,8 +163,8 @@ def _tpu_before_after(r: dict, baseline: dict) -> list[str]:
     before = _program_rows(baseline)
     rows = ["| program | TPU | before (wave 3) | now | now / before |", "|---|---|---|---|---|"]
     for name, (chip, now_s, mfu) in _program_rows(r).items():
-        if _wave3_name(name) in before:
-            was = before[_wave3_name(name)]
+        was = before.get(_wave3_name(name))
+        if was is not None:
             mfus = f" (MFU {100 * was[2]:.1f}% -> {100 * mfu:.1f}%)" if mfu is not None else ""
             rows.append(f"| {name} | {chip} | {_ms(was[1])} | {_ms(now_s)}{mfus} | {now_s / was[1]:.2f} |")
     return rows

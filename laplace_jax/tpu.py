@@ -199,16 +199,28 @@ def mosaic_call(module: Module, comp: str, ins: Any) -> dict[str, Any] | None:
     kernel = next((k for k in MOSAIC_KERNELS if k in ins.name or k in ins.op_name), None)
     if kernel is None:
         return None
-    operands = [arrays(t)[0] for t in module.operand_types(comp, ins)]
+    types = module.operand_types(comp, ins)
+    operands = [arrays(t)[0] for t in types]
     q, v = (operands[1], operands[3]) if kernel == MOSAIC_KERNELS[0] else (operands[2], operands[4])
     starts = arrays(ins.type)[1] if kernel == MOSAIC_KERNELS[0] else operands[7]
     B, H, T, K = q[1]
-    moved = sum(shape_bytes(t) for t in module.operand_types(comp, ins)) + shape_bytes(ins.type)
+    moved = sum(map(shape_bytes, types)) + shape_bytes(ins.type)
     return {"kernel": kernel, "units": B * H, "T": T, "C": T // starts[1][2], "K": K, "V": v[1][-1],
             "dtype": _DTYPES.get(q[0], q[0]), "bytes": moved}  # fmt: skip
 
 
 PROFILE_CHUNKS = 8  # the sequence a Mosaic kernel is profiled at, in chunks (the profiler grows faster than the grid)
+
+
+def run_mosaic_profile(*args: str, timeout: float = 1800) -> dict[str, Any]:
+    """``python -m laplace_jax.tools.mosaic_profile ARGS`` in a child process (the compiler's profile
+    flag is read when libtpu loads), its JSON line; RuntimeError with the child's last words."""
+    cmd = [sys.executable, "-m", "laplace_jax.tools.mosaic_profile", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        tail = [ln for ln in done.stderr.splitlines() if ln.strip()][-3:]
+        raise RuntimeError(f"mosaic_profile {' '.join(args)} failed: {' | '.join(tail)}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @functools.cache
@@ -220,13 +232,10 @@ def _mosaic_fit(chip_name: str, kernel: str, C: int, K: int, V: int, dtype: str)
     cores = CHIPS[chip_name].cores
     heads = (2 * cores, 4 * cores)
     T = PROFILE_CHUNKS * C
-    cmd = [sys.executable, "-m", "laplace_jax.tools.mosaic_profile", "--chip", chip_name, "--kernel", kernel,
-           "--shape", f"{T},{C},{K},{V}", "--dtype", dtype, "--heads", f"{heads[0]},{heads[1]}"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        tail = [ln for ln in done.stderr.splitlines() if ln.strip()][-3:]
-        raise RuntimeError(f"profiling {kernel} failed: {' | '.join(tail)}")
-    c1, c2 = json.loads(done.stdout.strip().splitlines()[-1])["cycles"]
+    c1, c2 = run_mosaic_profile(
+        "--chip", chip_name, "--kernel", kernel, "--shape", f"{T},{C},{K},{V}", "--dtype", dtype,
+        "--heads", f"{heads[0]},{heads[1]}",
+    )["cycles"]  # fmt: skip
     per_step = (c2 - c1) / ((heads[1] - heads[0]) * PROFILE_CHUNKS)
     return c1 - per_step * heads[0] * PROFILE_CHUNKS, per_step
 
@@ -260,18 +269,18 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
         if not factor:
             continue
         for ins in instrs:
-            c = ins.cycles
+            c, failed = ins.cycles, None
             call = mosaic_call(module, comp, ins) if c is None else None
             if call is not None:
                 try:
                     schedule, floor = mosaic_cycles(chip, call) / hz, call["bytes"] / (chip.hbm_gbps * 1e9)
-                except (RuntimeError, subprocess.TimeoutExpired) as e:  # listed below as not estimated
-                    call["failed"] = str(e)
+                except (RuntimeError, subprocess.TimeoutExpired) as e:  # listed below as not estimated, with why
+                    failed = f"Mosaic kernel {call['kernel']} (not profiled: {e})"
                 else:
                     mosaic.append({**call, "calls": factor, "schedule_s": schedule, "dma_floor_s": floor})
                     c = max(schedule, floor) * hz
             if c is None:
-                kind = _unestimated_kind(ins)
+                kind = failed or _unestimated_kind(ins)
                 if kind is not None:
                     unestimated[kind]["count"] += factor
                     unestimated[kind]["bytes"] += factor * shape_bytes(ins.type)

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from laplace_jax.tpu import CHIPS, estimate, memory, report, tpu_devices
+from laplace_jax.tpu import CHIPS, estimate, memory, report, run_mosaic_profile, tpu_devices
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
@@ -99,20 +99,12 @@ def test_the_kernel_report_names_its_sources_and_compares_with_the_limit():
     assert both["limit"]["flops"] == 3 * fwd["limit"]["flops"]
 
 
-def _profile(*args: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "laplace_jax.tools.mosaic_profile", *args],
-        capture_output=True, text=True, env=ENV, timeout=900, check=True,
-    )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.parametrize("name", ["v5e", "v5p"])
 def test_the_mosaic_static_schedule_of_a_large_matmul_lands_near_the_peak(name):
     """The Mosaic time the reports use (the compiler's static schedule of the kernel, read under
     its profile flag) for a compute-bound Pallas matmul: measured here at 87% (v5e) and 86% (v5p)
     of the published peak, as the XLA matmul's estimate (88%, 90%); the same 80-100% band."""
-    res = _profile("--chip", name, "--calibration")
+    res = run_mosaic_profile("--chip", name, "--calibration")
     chip = CHIPS[name]
     share = res["flops"] / (res["cycles"] / (chip.clock_ghz * 1e9)) / (chip.peak_bf16_tflops * 1e12)
     assert 0.80 <= share <= 1.0, share
@@ -123,7 +115,7 @@ def test_the_mosaic_profile_is_linear_in_heads_and_chunks():
     cycles per grid step at 4 and 8 chunks, 2 and 4 heads, agree within 10%."""
     per_step = []
     for chunks in (4, 8):
-        res = _profile("--chip", "v5e", "--kernel", "gla_mosaic_fwd", "--shape", f"{128 * chunks},128,96,192")
+        res = run_mosaic_profile("--chip", "v5e", "--kernel", "gla_mosaic_fwd", "--shape", f"{128 * chunks},128,96,192")
         (c2, c4), (h2, h4) = res["cycles"], res["heads"]
         per_step.append((c4 - c2) / ((h4 - h2) * chunks))
         assert 1.8 <= c4 / c2 <= 2.2  # twice the heads, twice the cycles
@@ -172,14 +164,14 @@ def test_decode_writes_each_layers_state_once_and_reads_no_stack():
     dynamic-update-slice into a state stack and no state-sized temporary."""
     from laplace_jax.config import load_run_config
     from laplace_jax.models.gla_lm import abstract_params, decode_step, init_state
-    from laplace_jax.tools.tpu_check import _compile, _serving_cfg
+    from laplace_jax.tools.tpu_check import _serving_cfg, compile_for_tpu
 
     cfg = _serving_cfg(load_run_config("configs/tiny.py"))
     _, devices = tpu_devices("v5e:1x1")
     bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
     state = jax.eval_shape(lambda: init_state(cfg, 8))
     step = lambda p, t, s: decode_step(cfg, p, t, s)  # noqa: E731
-    compiled = _compile(step, (bf16, jax.ShapeDtypeStruct((8,), jnp.int32), state), devices, donate=(2,))
+    compiled = compile_for_tpu(step, (bf16, jax.ShapeDtypeStruct((8,), jnp.int32), state), devices, donate=(2,))
     hlo = compiled.as_text()
     entry = hlo[hlo.index("ENTRY") :].splitlines()
     shape = "f32[" + ",".join(map(str, state[0]["gla"].shape)) + "]"

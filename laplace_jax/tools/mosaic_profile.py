@@ -107,19 +107,11 @@ def _cycles(text: str, kernel: str) -> int:
 
 
 def _compiled_text(chip_name: str, fn, args) -> str:
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from laplace_jax.platform import compiling_for
+    from laplace_jax.tools.tpu_check import compile_for_tpu
     from laplace_jax.tpu import tpu_devices
 
     _, devices = tpu_devices(TOPOLOGY[chip_name])
-    one = NamedSharding(Mesh(np.asarray(devices[:1]), ("x",)), P())
-    args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one) for a in args)
-    with compiling_for("tpu"):
-        return jax.jit(fn).lower(*args).compile().as_text()
+    return compile_for_tpu(fn, args, devices).as_text()
 
 
 def profile(chip_name: str, kernel: str, shape: tuple[int, int, int, int], dtype: str, heads: list[int]) -> list[int]:
@@ -138,21 +130,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", help="q, k, v dtype")
     ap.add_argument("--heads", default="2,4", help="head counts to compile (one batch row)")
     a = ap.parse_args(argv)
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    flag = f"--xla_jf_dump_static_llo_profile_to={tempfile.mkdtemp(prefix='mosaic_profile_')}"
-    os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flag}".strip()
-    if a.calibration:
-        cycles = _cycles(_compiled_text(a.chip, *calibration_matmul()), "calibration_matmul")
-        flops = 2 * CALIBRATION_N**3
-        print(json.dumps({"program": f"matmul {CALIBRATION_N}^3 bf16 (Mosaic)", "chip": a.chip, "cycles": cycles,
-                          "flops": flops}))  # fmt: skip
-        return 0
-    if not (a.kernel and a.shape):
+    if not (a.calibration or (a.kernel and a.shape)):
         ap.error("say --kernel and --shape (or --calibration)")
-    shape = tuple(int(x) for x in a.shape.split(","))
-    heads = [int(x) for x in a.heads.split(",")]
-    cycles = profile(a.chip, a.kernel, shape, a.dtype, heads)
-    print(json.dumps({"kernel": a.kernel, "chip": a.chip, "shape": shape, "heads": heads, "cycles": cycles}))
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    with tempfile.TemporaryDirectory(prefix="mosaic_profile_") as dump:  # the profiles' files, not needed after
+        flag = f"--xla_jf_dump_static_llo_profile_to={dump}"
+        os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flag}".strip()
+        if a.calibration:
+            cycles = _cycles(_compiled_text(a.chip, *calibration_matmul()), "calibration_matmul")
+            res = {"program": f"matmul {CALIBRATION_N}^3 bf16 (Mosaic)", "chip": a.chip, "cycles": cycles,
+                   "flops": 2 * CALIBRATION_N**3}  # fmt: skip
+        else:
+            shape = tuple(int(x) for x in a.shape.split(","))
+            heads = [int(x) for x in a.heads.split(",")]
+            cycles = profile(a.chip, a.kernel, shape, a.dtype, heads)
+            res = {"kernel": a.kernel, "chip": a.chip, "shape": shape, "heads": heads, "cycles": cycles}
+    print(json.dumps(res))
     return 0
 
 

@@ -55,7 +55,7 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
-def _compile(fn, args, devices=None, donate=(), free_layouts=False):
+def compile_for_tpu(fn, args, devices=None, donate=(), free_layouts=False):
     """Compile ``fn`` for the TPU: ``args`` placed on the first of ``devices``, or (None) with
     the shardings they carry. ``free_layouts``: arguments and results in the layouts the compiler
     prefers (``Layout.AUTO``), as the ops around a kernel inside a model can write and read them."""
@@ -108,22 +108,13 @@ def kernel_reports(
         fwd = lambda q, k, v, g, impl=impl: gla(q, k, v, g, impl=impl, chunk_size=chunk)[0]  # noqa: E731
         loss = lambda *a, fwd=fwd: fwd(*a).astype(jnp.float32).sum()  # noqa: E731
         where = f"{KERNEL_LABELS[impl]} B{B} T{T} H{H} K{K} V{V} chunk {chunk}"
-        reports += [
-            report(
-                _compile(fwd, args, devices, free_layouts=True),
-                chip,
-                f"{where}, forward",
-                flops=flops,
-                bytes_=inputs + out,
-            ),
-            report(
-                _compile(jax.grad(loss, argnums=(0, 1, 2, 3)), args, devices, free_layouts=True),
-                chip,
-                f"{where}, forward + backward",
-                flops=3 * flops,
-                bytes_=2 * inputs + 2 * out + inputs,
-            ),
-        ]
+        programs = (
+            ("forward", fwd, flops, inputs + out),
+            ("forward + backward", jax.grad(loss, argnums=(0, 1, 2, 3)), 3 * flops, 2 * inputs + 2 * out + inputs),
+        )
+        for what, fn, work, moved in programs:
+            compiled = compile_for_tpu(fn, args, devices, free_layouts=True)
+            reports.append(report(compiled, chip, f"{where}, {what}", flops=work, bytes_=moved))
     return reports
 
 
@@ -161,7 +152,7 @@ def decode_reports(chip, devices, config, width: int) -> list[dict[str, Any]]:
     step = lambda p, t, s: decode_step(cfg, p, t, s)  # noqa: E731
     return [
         report(
-            _compile(step, (params, tokens, state), devices, donate=(2,)),
+            compile_for_tpu(step, (params, tokens, state), devices, donate=(2,)),
             chip,
             f"decode_step W={width}, {label}",
             flops=flops,
@@ -192,7 +183,7 @@ def prefill_reports(chip, devices, config, lengths: list[int]) -> list[dict[str,
         tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
         step = lambda p, t, s: prefill(cfg, p, t, s)  # noqa: E731
         rep = report(
-            _compile(step, (bf16, tokens, state), devices, donate=(2,)),
+            compile_for_tpu(step, (bf16, tokens, state), devices, donate=(2,)),
             chip,
             f"prefill 1 x {T} tokens, bf16",
             flops=T * (2 * count_params(abstract_params(cfg)) + kernel_per_token),
@@ -240,7 +231,7 @@ def serve_reports(
             continue
         rows, tokens = (1, prefill_chunk) if name == "prefill" else (width, steps)
         weights, state = _weight_and_state_bytes(cfg, rows)
-        compiled = _compile(fn, args, donate=donate)  # args carry the slots' shardings
+        compiled = compile_for_tpu(fn, args, donate=donate)  # args carry the slots' shardings
         what = f"{name} [{prefill_chunk} tokens x 1 row per chip]" if name == "prefill" else f"decode W={width}"
         per_call = weights * (1 if name == "prefill" else steps) + 2 * state
         out.append(report(compiled, chip, what, flops=2 * n_params * rows * tokens, bytes_=per_call))
@@ -256,7 +247,7 @@ def serve_reports(
 
     logits = jax.ShapeDtypeStruct((W, V), jnp.float32)
     row_bytes = sum(np.prod(s.shape) * s.dtype.itemsize for s in rows.values())
-    compiled = _compile(sampler, (logits, rows), devices)
+    compiled = compile_for_tpu(sampler, (logits, rows), devices)
     out.append(report(compiled, chip, f"sampler W={W}", bytes_=W * V * 4 + row_bytes))
     return out
 
