@@ -233,7 +233,8 @@ class ModelConfig(Block):
     n_kv_heads: None for one kv head per query head (GQA when smaller); mlp_dim: None for
     fla's rule 256 * ceil(int(d * 8/3) / 256); chunk_size: tokens per chunk of the chunkwise
     kernel; attn_impl: "chunk" (XLA chunk kernel, every backend), "pallas" (Pallas/Triton kernel:
-    GPU, interpreted on CPU), "mosaic" (Pallas TPU kernel: TPU, interpreted on CPU), "recurrent"
+    GPU, interpreted on CPU), "mosaic" (Pallas TPU kernels: TPU, interpreted on CPU; in decode also
+    the GLA and short-conv step kernels where they apply), "recurrent"
     (token scan, the oracle) or "auto" ("pallas" on GPU, "chunk" elsewhere); dtype: compute dtype
     (params stay float32, logits are float32); remat: what each
     layer keeps for the backward: "none" (everything), "full" (only its input), "save_dots"

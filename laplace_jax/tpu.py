@@ -13,7 +13,9 @@ and compiles for those chips on a CPU machine. What the compiled program tells (
 It is the compiler's estimate, never a measurement. This project's Mosaic (Pallas TPU) kernels
 carry no ``estimated_cycles`` in a normal compile; their time is the compiler's static schedule
 of the kernel (``mosaic_cycles``: its bundle count and latencies, which count no HBM transfer)
-or, where larger, a hand-counted DMA floor (every operand and result once over HBM bandwidth).
+or, where larger, a hand-counted DMA floor: every operand and result once, at the share of HBM
+bandwidth the cost model gives XLA's own streaming op (``Chip.stream_share``, the calibration's
+elementwise program), so a bandwidth-bound kernel is counted as fast as XLA would be, no faster.
 Other ops without an estimate are listed, not counted as free (other Mosaic kernels,
 asynchronous copies and some collectives); a figure that leaves them out says so.
 
@@ -36,12 +38,13 @@ from typing import Any
 
 from laplace_jax.errors import UserError
 from laplace_jax.hlo_stats import Module, arrays, loops, memory_report, shape_bytes
-from laplace_jax.ops.gla.limits import MOSAIC_KERNELS
+from laplace_jax.ops.gla.limits import MOSAIC_CONV_KERNEL, MOSAIC_DECODE_KERNELS, MOSAIC_KERNELS, MOSAIC_STEP_KERNEL
 
 LABEL = "TPU compiler estimate (its cost model's estimated_cycles), not a measurement"
 MOSAIC_LABEL = (
     "Mosaic kernels: the compiler's static schedule (bundles and latencies, no HBM time) "
-    "or a hand-counted DMA floor, whichever is larger"
+    "or a hand-counted DMA floor (operands and results at the cost model's streaming share of HBM bandwidth), "
+    "whichever is larger"
 )
 
 
@@ -60,6 +63,7 @@ class Chip:
     calibrated: bool
     accelerator_prefix: str  # Cloud TPU's accelerator type names: v5litepod-4, v5p-8 (cores), v6e-4
     cores: int  # TensorCores per chip (v5p: a megacore of two; Mosaic splits parallel grid axes over them)
+    stream_share: float  # the cost model's share of HBM bandwidth for a 1 GiB elementwise op (calibration)
 
     @property
     def hbm_bytes(self) -> int:
@@ -67,11 +71,12 @@ class Chip:
 
 
 # Peaks and HBM: Google Cloud TPU documentation per generation. Clocks: the ones under which
-# an 8192^3 bf16 matmul estimates at ~90% of the published peak (tpu calibration benchmark).
+# an 8192^3 bf16 matmul estimates at ~90% of the published peak; stream shares: a 1 GiB in, 1 GiB
+# out fp32 elementwise op's estimate over HBM bandwidth (tpu calibration benchmark; test_tpu).
 CHIPS = {
-    "v5e": Chip("v5e", "TPU v5 lite", 197.0, 819.0, 16.0, 1.5, (2, 2, 1), True, "v5litepod", 1),
-    "v5p": Chip("v5p", "TPU v5", 459.0, 2765.0, 95.0, 1.75, (2, 2, 1), True, "v5p", 2),
-    "v6e": Chip("v6e", "TPU v6 lite", 918.0, 1640.0, 32.0, 1.75, (2, 2, 1), False, "v6e", 1),
+    "v5e": Chip("v5e", "TPU v5 lite", 197.0, 819.0, 16.0, 1.5, (2, 2, 1), True, "v5litepod", 1, 0.81),
+    "v5p": Chip("v5p", "TPU v5", 459.0, 2765.0, 95.0, 1.75, (2, 2, 1), True, "v5p", 2, 0.72),
+    "v6e": Chip("v6e", "TPU v6 lite", 918.0, 1640.0, 32.0, 1.75, (2, 2, 1), False, "v6e", 1, 0.81),
 }
 
 _TRIVIAL = {
@@ -192,19 +197,28 @@ _DTYPES = {"bf16": "bfloat16", "f32": "float32", "f16": "float16"}
 
 
 def mosaic_call(module: Module, comp: str, ins: Any) -> dict[str, Any] | None:
-    """The sizes of a call of this project's Mosaic GLA kernels (``ops/gla/mosaic.py``), read
-    from the compiled call and its operands, or None for any other instruction."""
+    """The sizes of a call of this project's Mosaic kernels (the GLA chunk kernels of
+    ``ops/gla/mosaic.py``; the decode steps of ``ops/gla/mosaic_step.py`` and
+    ``ops/conv/mosaic_step.py``, whose ``shape`` is what ``tools/mosaic_profile`` rebuilds them
+    from), read from the compiled call and its operands, or None for any other instruction."""
     if ins.opcode != "custom-call" or "tpu_custom_call" not in ins.rest:
         return None
-    kernel = next((k for k in MOSAIC_KERNELS if k in ins.name or k in ins.op_name), None)
+    kernel = next((k for k in (*MOSAIC_KERNELS, *MOSAIC_DECODE_KERNELS) if k in ins.name or k in ins.op_name), None)
     if kernel is None:
         return None
     types = module.operand_types(comp, ins)
     operands = [arrays(t)[0] for t in types]
+    moved = sum(map(shape_bytes, types)) + shape_bytes(ins.type)
+    if kernel == MOSAIC_STEP_KERNEL:  # q, k, g [H, K, B], v [H, V, B], state [H, K, V, B]
+        (H, K, B), (dtype, (_, V, _)) = operands[0][1], operands[3]
+        return {"kernel": kernel, "shape": (B, H, K, V), "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
+    if kernel == MOSAIC_CONV_KERNEL:  # ([live [B, 1],] x [B, D], cache [B, W * D], kernel [W, D])
+        (dtype, (B, D)), (W, _) = operands[-3], operands[-1][1]
+        shape = (B, W, D, int(len(operands) == 4))
+        return {"kernel": kernel, "shape": shape, "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
     q, v = (operands[1], operands[3]) if kernel == MOSAIC_KERNELS[0] else (operands[2], operands[4])
     starts = arrays(ins.type)[1] if kernel == MOSAIC_KERNELS[0] else operands[7]
     B, H, T, K = q[1]
-    moved = sum(map(shape_bytes, types)) + shape_bytes(ins.type)
     return {"kernel": kernel, "units": B * H, "T": T, "C": T // starts[1][2], "K": K, "V": v[1][-1],
             "dtype": _DTYPES.get(q[0], q[0]), "bytes": moved}  # fmt: skip
 
@@ -240,11 +254,28 @@ def _mosaic_fit(chip_name: str, kernel: str, C: int, K: int, V: int, dtype: str)
     return c1 - per_step * heads[0] * PROFILE_CHUNKS, per_step
 
 
+@functools.cache
+def _mosaic_whole_cycles(chip_name: str, kernel: str, shape: tuple[int, ...], dtype: str) -> float:
+    """A decode-step kernel's static schedule at the call's own sizes (one compile: its grid is
+    small), from a child process (``tools/mosaic_profile``)."""
+    size = ",".join(map(str, shape))
+    return run_mosaic_profile("--chip", chip_name, "--kernel", kernel, "--shape", size, "--dtype", dtype)["cycles"][0]
+
+
 def mosaic_cycles(chip: Chip, call: dict[str, Any]) -> float:
-    """The compiler's static schedule of one Mosaic kernel call (``mosaic_call``), in cycles:
-    the fit scaled to the call's grid steps (batch rows x heads x chunks)."""
+    """The compiler's static schedule of one Mosaic kernel call (``mosaic_call``), in cycles: the
+    chunk kernels' fit scaled to the call's grid steps (batch rows x heads x chunks), a decode
+    step's profile at its own sizes."""
+    if call["kernel"] in MOSAIC_DECODE_KERNELS:
+        return _mosaic_whole_cycles(chip.name, call["kernel"], tuple(call["shape"]), call["dtype"])
     fixed, per_step = _mosaic_fit(chip.name, call["kernel"], call["C"], call["K"], call["V"], call["dtype"])
     return fixed + per_step * call["units"] * (call["T"] // call["C"])
+
+
+def dma_floor(chip: Chip, bytes_: float) -> float:
+    """Seconds to move ``bytes_`` over HBM at the share of bandwidth the cost model gives a
+    streaming XLA op (``Chip.stream_share``): a Mosaic kernel's floor."""
+    return bytes_ / (chip.hbm_gbps * 1e9 * chip.stream_share)
 
 
 def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
@@ -273,7 +304,7 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
             call = mosaic_call(module, comp, ins) if c is None else None
             if call is not None:
                 try:
-                    schedule, floor = mosaic_cycles(chip, call) / hz, call["bytes"] / (chip.hbm_gbps * 1e9)
+                    schedule, floor = mosaic_cycles(chip, call) / hz, dma_floor(chip, call["bytes"])
                 except (RuntimeError, subprocess.TimeoutExpired) as e:  # listed below as not estimated, with why
                     failed = f"Mosaic kernel {call['kernel']} (not profiled: {e})"
                 else:
@@ -358,10 +389,12 @@ def format_report(rep: dict[str, Any], top: int = 8) -> str:
         f"{_gib(mem['outputs'])}, {_gib(mem['aliased'])} aliased){'' if mem['fits'] else '  DOES NOT FIT'}",
         f"  estimated time     {_ms(est['seconds'])}  [{est['label']}]",
     ]
+    alike: dict[tuple[str, str, str], float] = defaultdict(float)  # identical calls (one per layer) on one line
     for m in est["mosaic"]:
+        alike[m["kernel"], _ms(m["schedule_s"]), _ms(m["dma_floor_s"])] += m["calls"]
+    for (kernel, schedule, floor), calls in alike.items():
         lines.append(
-            f"  Mosaic kernel      {m['kernel']} x{m['calls']:g}: static schedule {_ms(m['schedule_s'])}, "
-            f"DMA floor {_ms(m['dma_floor_s'])} per call"
+            f"  Mosaic kernel      {kernel} x{calls:g}: static schedule {schedule}, DMA floor {floor} per call"
         )
     if lim["seconds"]:
         lines.append(

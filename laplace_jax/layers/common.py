@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from laplace_jax.ops.conv import short_conv_step
 from laplace_jax.parallel import context_axis, from_previous_slice, gathered, local_shape
 
 Array = jax.Array
@@ -106,15 +107,16 @@ class ShortConv(nn.Module):
 
     kernel: [W, D]; kernel[W - 1] multiplies the current token. ``cache``: [B, W * D], the last W
     raw inputs, oldest first, flattened (zeros for a fresh sequence): flat, every tap is a slice
-    of the minor axis at a multiple of D, which the one-token step reads and shifts without the
-    [.., W, D] tiles' relayouts (on the TPU compiler, 24 layers' v convolutions at the 3B config,
-    W=256: 1.29 ms -> 0.48 ms estimated). ``lengths_B``: only the first lengths[b] inputs of row b
+    of the minor axis at a multiple of D, which the one-token step (``ops.conv``) reads and shifts
+    without the [.., W, D] tiles' relayouts (on the TPU compiler, 24 layers' v convolutions at the
+    3B config, W=256: 1.29 ms -> 0.48 ms estimated). ``lengths_B``: only the first lengths[b] inputs of row b
     are real (the new cache ends at the last real one). Returns (y, new cache).
     """
 
     width: int
     dtype: jnp.dtype = jnp.float32
     init_std: float = 0.02
+    impl: str = "chunk"  # model.attn_impl: "mosaic" takes the Mosaic decode step where it runs
 
     @nn.compact
     def __call__(self, x_BxTxD: Array, cache_BxWD: Array | None, lengths_B: Array | None = None) -> tuple[Array, Array]:
@@ -127,14 +129,9 @@ class ShortConv(nn.Module):
         elif cache_BxWD is None:  # a fresh sequence
             cache_BxWD = jnp.zeros((B, W * D), self.dtype)
         cache_BxWD = cache_BxWD.astype(self.dtype)
-        if T == 1:  # the decode step: taps are slices of the flat cache
-            x_BxD = x_BxTxD[:, 0].astype(self.dtype)
-            taps = [cache_BxWD[:, w * D : (w + 1) * D] for w in range(1, W)] + [x_BxD]
-            y = sum(taps[w] * k[w] for w in range(W))[:, None]
-            new = jnp.concatenate([cache_BxWD[:, D:], x_BxD], axis=1)
-            if lengths_B is not None:  # a padding token leaves the cache as it was
-                new = jnp.where(lengths_B[:, None] > 0, new, cache_BxWD)
-            return jax.nn.silu(y), new
+        if T == 1:  # the decode step (ops.conv): a padding token leaves the cache as it was
+            y, new = short_conv_step(x_BxTxD[:, 0].astype(self.dtype), cache_BxWD, k, lengths_B, impl=self.impl)
+            return y[:, None], new
         full = jnp.concatenate([cache_BxWD.reshape(B, W, D), x_BxTxD.astype(self.dtype)], axis=1)  # [B, W+T, D]
         y = sum(full[:, 1 + w : 1 + w + T] * k[w] for w in range(W))
         if lengths_B is None:

@@ -11,7 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax.config import ModelConfig
 from laplace_jax.layers.common import GatedRMSNorm, Linear, ShortConv
-from laplace_jax.ops.gla import context_gla, gla, gla_step
+from laplace_jax.ops.gla import context_gla, gla, gla_decode
 from laplace_jax.parallel import context_axis
 
 Array = jax.Array
@@ -44,7 +44,7 @@ class GatedLinearAttention(nn.Module):
         v = lin(cfg.value_dim // G, ("embed", "heads"), name="v_proj")(x_BxTxD)
         new_state: LayerState = {}
         if cfg.use_short_conv:
-            conv = functools.partial(ShortConv, cfg.conv_size, dtype=dt, init_std=cfg.init_std)
+            conv = functools.partial(ShortConv, cfg.conv_size, dtype=dt, init_std=cfg.init_std, impl=cfg.attn_impl)
             cache = (lambda key: None) if state is None else state.get
             q, new_state["conv_q"] = conv(name="q_conv1d")(q, cache("conv_q"), lengths_B)
             k, new_state["conv_k"] = conv(name="k_conv1d")(k, cache("conv_k"), lengths_B)
@@ -66,7 +66,7 @@ class GatedLinearAttention(nn.Module):
         q, k, v, gk = (checkpoint_name(a, "gla_inputs") for a in (q, k, v, gk))  # for model.remat="save_gla"
         s0 = None if state is None else state["gla"]
         if s0 is not None and T == 1:
-            o, s = gla_step(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], s0)
+            o, s = gla_decode(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], s0, impl=cfg.attn_impl)
             o = o[:, None]
         elif (axis := context_axis()) is not None:  # this device holds one slice of each sequence
             o, s = context_gla(q, k, v, gk, axis=axis, initial_state=s0, chunk_size=cfg.chunk_size, impl=cfg.attn_impl)

@@ -4,6 +4,7 @@ served, run uvicorn until a signal, say how the shutdown went."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from laplace_jax.serve.config import ServeConfig, SettingError, add_flags, flag, from_flags
@@ -50,6 +51,8 @@ def _load(cfg: ServeConfig):
 
     path = cfg.checkpoint or newest_workdir()
     model, params, tok, name = load_for_inference(path, cfg.tokenizer, exact=cfg.exact, step=cfg.step)
+    if cfg.attn_impl is not None:
+        model = dataclasses.replace(model, attn_impl=cfg.attn_impl)
     weights_dtype = "float32" if cfg.exact else (cfg.weights_dtype or model.dtype)
     return path, model, cast_params(params, weights_dtype), tok, name, weights_dtype
 

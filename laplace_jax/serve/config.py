@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from laplace_jax.errors import UserError
+from laplace_jax.ops.gla.limits import IMPLS
 from laplace_jax.platform import PRNG_IMPLS
 
 GROUPS = ("model", "engine", "sampling defaults", "HTTP")
@@ -55,6 +56,13 @@ class ServeConfig:
         "model",
         "dtype the weights are cast to once at load (default: the model's compute dtype; --exact: float32)",
         choices=("float32", "bfloat16", "float16"),
+    )
+    attn_impl: str | None = _setting(
+        None,
+        "model",
+        "GLA kernels to serve with (default: the checkpoint's model.attn_impl); 'mosaic' on a TPU takes the "
+        "Pallas TPU decode steps where they apply (docs/tpu.md)",
+        choices=IMPLS,
     )
     # engine
     max_num_seqs: int = _setting(8, "engine", "decode slots per device (sequences decoded together)", lo=1)

@@ -13,8 +13,11 @@ alike, and the cycles are linear in each, which ``tests/test_tpu.py`` checks).
     python -m laplace_jax.tools.mosaic_profile --chip v5e --kernel gla_mosaic_fwd \
         --shape 1024,128,96,192 --dtype bfloat16 --heads 2,4
 
-prints {"kernel": ..., "heads": [2, 4], "cycles": [...]} as JSON. The cycles are the compiler's
-static schedule, which counts no HBM transfer time: ``tpu`` sets it beside a DMA floor.
+prints {"kernel": ..., "heads": [2, 4], "cycles": [...]} as JSON. The decode-step kernel
+(``gla_mosaic_step``, ``--shape B,H,K,V``) and the conv step (``short_conv_mosaic_step``,
+``--shape B,W,D,masked``) are profiled once at the call's own sizes: their grids are small.
+The cycles are the compiler's static schedule, which counts no HBM transfer time: ``tpu`` sets
+it beside a DMA floor.
 ``--calibration`` profiles a compute-bound Mosaic program instead, an 8192^3 bf16 matmul in
 512-wide tiles, whose cycles over the chip's clock give the share of its peak (the XLA matmul's
 estimate is 88-90%; ``tests/test_tpu.py`` holds this one to the same band).
@@ -29,8 +32,31 @@ import re
 import sys
 import tempfile
 
+from laplace_jax.ops.gla.limits import MOSAIC_DECODE_KERNELS, MOSAIC_STEP_KERNEL
+
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 TOPOLOGY = {"v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}  # one chip of each generation
+
+
+def decode_args(kernel: str, shape: tuple[int, ...], dtype: str) -> tuple:
+    """A Mosaic decode-step kernel and ShapeDtypeStructs of its operands (the kernel's own
+    layout): ``gla_mosaic_step`` at B,H,K,V, ``short_conv_mosaic_step`` at B,W,D,masked."""
+    import jax
+    import jax.numpy as jnp
+
+    from laplace_jax.ops.conv import mosaic_step as conv
+    from laplace_jax.ops.gla import mosaic_step as gla
+
+    S, f32 = jax.ShapeDtypeStruct, jnp.float32
+    if kernel == MOSAIC_STEP_KERNEL:
+        B, H, K, V = shape
+        fn = lambda q, k, g, v, s: gla._call(q, k, g, v, s, K**-0.5, False)  # noqa: E731
+        rows = S((H, K, B), dtype)
+        return fn, (rows, rows, S((H, K, B), f32), S((H, V, B), dtype), S((H, K, V, B), f32))
+    B, W, D, masked = shape
+    live = S((B, 1), jnp.int32) if masked else None
+    fn = lambda x, c, k, live=None: conv._call(x, c, k, live, False)  # noqa: E731
+    return fn, (S((B, D), dtype), S((B, W * D), dtype), S((W, D), f32), *([live] if masked else []))
 
 
 def kernel_args(kernel: str, heads: int, T: int, C: int, K: int, V: int, dtype: str) -> tuple:
@@ -124,8 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     prog = "python -m laplace_jax.tools.mosaic_profile"
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--chip", choices=sorted(TOPOLOGY), required=True)
-    ap.add_argument("--kernel", help="gla_mosaic_fwd or gla_mosaic_bwd")
-    ap.add_argument("--shape", help="T,C,K,V: sequence, chunk, key and value head widths")
+    ap.add_argument("--kernel", help="gla_mosaic_fwd, gla_mosaic_bwd, gla_mosaic_step or short_conv_mosaic_step")
+    ap.add_argument(
+        "--shape",
+        help="T,C,K,V: sequence, chunk, key and value head widths (gla_mosaic_step: B,H,K,V; "
+        "short_conv_mosaic_step: B,W,D,masked)",
+    )
     ap.add_argument("--calibration", action="store_true", help="the calibration matmul instead of a kernel")
     ap.add_argument("--dtype", default="bfloat16", help="q, k, v dtype")
     ap.add_argument("--heads", default="2,4", help="head counts to compile (one batch row)")
@@ -140,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             cycles = _cycles(_compiled_text(a.chip, *calibration_matmul()), "calibration_matmul")
             res = {"program": f"matmul {CALIBRATION_N}^3 bf16 (Mosaic)", "chip": a.chip, "cycles": cycles,
                    "flops": 2 * CALIBRATION_N**3}  # fmt: skip
+        elif a.kernel in MOSAIC_DECODE_KERNELS:
+            shape = tuple(int(x) for x in a.shape.split(","))
+            cycles = [_cycles(_compiled_text(a.chip, *decode_args(a.kernel, shape, a.dtype)), a.kernel)]
+            res = {"kernel": a.kernel, "chip": a.chip, "shape": shape, "cycles": cycles}
         else:
             shape = tuple(int(x) for x in a.shape.split(","))
             heads = [int(x) for x in a.heads.split(",")]

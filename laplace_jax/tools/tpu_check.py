@@ -269,7 +269,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--shape", type=_shape, default=SHAPES["3b"], help="--kernel: 3b, small or B,T,H,K,V")
     ap.add_argument("--chunk", type=int, default=128, help="--kernel: chunk size")
     ap.add_argument(
-        "--impl", choices=(*KERNEL_LABELS, "both"), default="both", help="--kernel: chunk (XLA), mosaic (Pallas TPU)"
+        "--impl",
+        choices=(*KERNEL_LABELS, "both"),
+        default="both",
+        help="--kernel: chunk (XLA), mosaic (Pallas TPU) or both; with --config: the model.attn_impl to compile "
+        "with (mosaic: the Pallas TPU kernels, in decode the GLA and short-conv steps too; both: the config's)",
     )
     ap.add_argument("--max-num-seqs", type=int, default=8, help="--serve: decode slots per chip")
     ap.add_argument("--buckets", default="pow2", help="--serve: decode bucket widths (pow2 or e.g. 1,4,8)")
@@ -295,6 +299,8 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
         impls = tuple(KERNEL_LABELS) if a.impl == "both" else (a.impl,)
         return kernel_reports(chip, devices, a.shape, a.chunk, impls)
     config = load_run_config(a.config)
+    if a.impl != "both":
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, attn_impl=a.impl))
     if a.decode is not None:
         return decode_reports(chip, devices, config, a.decode)
     if a.prefill:

@@ -34,6 +34,7 @@ def test_flags_parse_into_typed_fields(monkeypatch):
         ("prng_impl", "philox", "prng_impl must be one of auto, threefry2x32"),
         ("decode_buckets", "1,99", "widths in 1..max_num_seqs (8)"),
         ("prefix_cache_bytes", -5, "prefix_cache_bytes must be >= 0"),
+        ("attn_impl", "triton", "attn_impl must be one of chunk, pallas, mosaic"),
     ],
 )
 def test_out_of_range_settings_are_refused_with_their_name(field, value, message):
@@ -52,3 +53,18 @@ def test_the_cli_names_the_flag(capsys):
 def test_serve_py_is_a_thin_entry():
     with open("serve.py") as f:
         assert len(f.read().splitlines()) <= 40
+
+
+def test_attn_impl_overrides_the_checkpoints_kernels(tmp_path):
+    """--attn-impl replaces the loaded model's ``attn_impl`` (so a checkpoint trained with the XLA
+    kernel can serve with the Pallas TPU decode steps); without it the checkpoint's stays."""
+    import jax
+
+    from laplace_jax import ModelConfig, init_params
+    from laplace_jax.checkpoint import save_model
+
+    model = ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, use_short_conv=True)
+    save_model(str(tmp_path / "m"), model, init_params(model, jax.random.key(0)))
+    for flags, want in (([], "chunk"), (["--attn-impl", "recurrent"], "recurrent")):
+        cfg = cli.parse(["--checkpoint", str(tmp_path / "m"), "--tokenizer", "byte", *flags])
+        assert cli._load(cfg)[1].attn_impl == want

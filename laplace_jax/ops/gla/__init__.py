@@ -11,7 +11,8 @@ never the difference of two cumulative sums, so nothing overflows and nothing ca
 strong the decay: the scores inside a chunk come from dyadic levels (halves, quarters, ...),
 each one full-width matmul of operands scaled by sums within their half-block (``levels.py``).
 ``pallas_gla`` (GPU, Triton) and ``mosaic_gla`` (TPU) are the same contract as Pallas kernels.
-``recurrent_gla`` is the token-by-token scan (the oracle, and the decode path through ``gla_step``).
+``recurrent_gla`` is the token-by-token scan (the oracle) of ``gla_step``, the one-token step;
+``mosaic_gla_step`` is that step as a Pallas TPU kernel, and ``gla_decode`` picks one of the two.
 ``context_gla`` runs one sequence split across devices (context parallelism, ``context.py``).
 
 All accumulation is float32; matmul operands take the dtype of ``q`` (bf16 inputs -> bf16
@@ -22,9 +23,10 @@ from __future__ import annotations
 
 from laplace_jax.ops.gla.chunk import chunk_gla
 from laplace_jax.ops.gla.context import context_gla
-from laplace_jax.ops.gla.dispatch import gla, resolve
+from laplace_jax.ops.gla.dispatch import gla, gla_decode, resolve
 from laplace_jax.ops.gla.limits import IMPLS
 from laplace_jax.ops.gla.mosaic import mosaic_gla
+from laplace_jax.ops.gla.mosaic_step import mosaic_gla_step
 from laplace_jax.ops.gla.naive import naive_gla
 from laplace_jax.ops.gla.pallas import pallas_gla
 from laplace_jax.ops.gla.recurrent import recurrent_gla
@@ -35,8 +37,10 @@ __all__ = [
     "chunk_gla",
     "context_gla",
     "gla",
+    "gla_decode",
     "gla_step",
     "mosaic_gla",
+    "mosaic_gla_step",
     "naive_gla",
     "pallas_gla",
     "recurrent_gla",

@@ -2,7 +2,9 @@
 "chunk" (``chunk_gla``, the XLA chunk kernel: every backend), "pallas" (``pallas_gla``: a
 Triton-lowered GPU kernel, interpreted on CPU), "mosaic" (``mosaic_gla``: a Pallas TPU kernel,
 interpreted on CPU), "recurrent" (``recurrent_gla``, the token scan) or "auto" ("pallas" on GPU,
-"chunk" elsewhere)."""
+"chunk" elsewhere). ``gla_decode`` picks the one-token step the same way: "mosaic" takes the
+Mosaic step kernel (``mosaic_step.py``) where the state's layout suits it, every other name the XLA
+step (``gla_step``)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ from laplace_jax.ops.gla.chunk import chunk_gla
 from laplace_jax.ops.gla.inputs import check_inputs
 from laplace_jax.ops.gla.limits import IMPLS
 from laplace_jax.ops.gla.mosaic import mosaic_gla, mosaic_interpret
+from laplace_jax.ops.gla.mosaic_step import mosaic_gla_step, takes
 from laplace_jax.ops.gla.pallas import pallas_gla, pallas_interpret
 from laplace_jax.ops.gla.recurrent import recurrent_gla
+from laplace_jax.ops.gla.step import gla_step
 from laplace_jax.platform import on_gpu
 
 Array = jax.Array
@@ -59,3 +63,24 @@ def gla(
         return mosaic_gla(q, k, v, g, s0, scale=scale, chunk_size=chunk_size, interpret=interpret)
     interpret = pallas_interpret() if interpret is None else interpret
     return pallas_gla(q, k, v, g, s0, scale=scale, chunk_size=chunk_size, interpret=interpret)
+
+
+def gla_decode(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    state: Array,
+    *,
+    impl: str = "chunk",
+    scale: float | None = None,
+    interpret: bool | None = None,
+) -> tuple[Array, Array]:
+    """One token with kernel ``impl``: q, k, g [B, H, K]; v [B, H, V]; state [B, H, K, V] fp32 ->
+    (o [B, H, V], state'). "mosaic" runs the Mosaic step kernel where the TPU lays the state out
+    batch-minor (``mosaic_step.takes``), the XLA step otherwise; every other kernel the XLA step."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if resolve(impl) == "mosaic" and takes(q.shape[0], v.shape[-1]):
+        interpret = mosaic_interpret() if interpret is None else interpret
+        return mosaic_gla_step(q, k, v, g, state, scale=scale, interpret=interpret)
+    return gla_step(q, k, v, g, state, scale=scale)
