@@ -10,6 +10,8 @@ compiler's estimate, not a measurement):
             backward, against the memory and FLOP limits (Mosaic kernels: ``tpu.MOSAIC_LABEL``);
 - decode:   3B ``decode_step`` at W=256 on one v5p chip, bf16 weights as plain arrays and packed,
             and serving's decode program at W=256 (4 tokens per call; the row adds per-token time);
+            then the plain-weights and serving rows again with ``model.attn_impl=mosaic`` (the Mosaic
+            GLA and short-conv step kernels);
 - prefill:  3B ``prefill`` of one prompt of 128, 512 and 2048 tokens on one v5p chip: tokens/s
             against the FLOP limit;
 - train:    ``configs/gla_340m.py`` at 16 x 2048 tokens, bf16, on v5e:2x2, and ``configs/3b.py``
@@ -67,15 +69,20 @@ def _headline(rep: dict[str, Any], top: int, full: bool) -> dict[str, Any]:
     }
 
 
-def _train_row(config_path: str, topology: str, overrides: dict, top: int, full: bool) -> dict[str, Any]:
+def _override(config, overrides: dict):
+    """``config`` with {block: {field: value}} replaced."""
     import dataclasses
 
+    for block, values in overrides.items():
+        config = dataclasses.replace(config, **{block: dataclasses.replace(getattr(config, block), **values)})
+    return config
+
+
+def _train_row(config_path: str, topology: str, overrides: dict, top: int, full: bool) -> dict[str, Any]:
     from laplace_jax.config import load_run_config
     from laplace_jax.train.tpu_plan import tpu_plan
 
-    config = load_run_config(config_path)
-    for block, values in overrides.items():
-        config = dataclasses.replace(config, **{block: dataclasses.replace(getattr(config, block), **values)})
+    config = _override(load_run_config(config_path), overrides)
     rep = tpu_plan(config, topology)
     row = _headline(rep["tpu"], top, full)
     row.update(
@@ -155,15 +162,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             res["rows"]["kernel"] += [_headline(r, a.top, a.full) for r in reps]
     if "decode" in only:
         chip, devices = tpu_devices("v5p:1x1x1")
-        reps = decode_reports(chip, devices, load_run_config("configs/3b.py"), 256)
-        res["rows"]["decode"] = [_headline(r, a.top, a.full) for r in reps]
-        config_3b = load_run_config("configs/3b.py")
-        serve = serve_reports(chip, devices, config_3b, 256, ["256"], 512, SERVE_STEPS, programs=("decode",))
-        (rep,) = [r for r in serve if r["program"] == "decode W=256"]
-        row = _headline(rep, a.top, a.full)
-        row.update(program="serving decode W=256", steps_per_call=SERVE_STEPS)
-        row["per_token_s"] = rep["estimate"]["seconds"] / SERVE_STEPS
-        res["rows"]["decode"].append(row)
+        res["rows"]["decode"] = []
+        for overrides in ({}, {"model": {"attn_impl": "mosaic"}}):  # the config's XLA steps, then the Mosaic ones
+            config_3b = _override(load_run_config("configs/3b.py"), overrides)
+            suffix = ", model.attn_impl=mosaic" if overrides else ""
+            reps = decode_reports(chip, devices, config_3b, 256)[: 1 if overrides else 2]  # packed: once
+            res["rows"]["decode"] += [dict(_headline(r, a.top, a.full), program=r["program"] + suffix) for r in reps]
+            serve = serve_reports(chip, devices, config_3b, 256, ["256"], 512, SERVE_STEPS, programs=("decode",))
+            (rep,) = [r for r in serve if r["program"] == "decode W=256"]
+            row = _headline(rep, a.top, a.full)
+            row.update(program="serving decode W=256" + suffix, steps_per_call=SERVE_STEPS)
+            row["per_token_s"] = rep["estimate"]["seconds"] / SERVE_STEPS
+            res["rows"]["decode"].append(row)
     if "prefill" in only:
         chip, devices = tpu_devices("v5p:1x1x1")
         reps = prefill_reports(chip, devices, load_run_config("configs/3b.py"), list(PREFILL_LENGTHS))
