@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 from laplace_jax.ops.conv.step import conv_step
 from laplace_jax.ops.gla.limits import MOSAIC_CONV_KERNEL
 from laplace_jax.ops.gla.mosaic import mosaic_interpret
-from laplace_jax.ops.gla.mosaic_step import LANES, whole_lane_tiles
+from laplace_jax.ops.gla.mosaic_step import LANES, row_block, whole_lane_tiles
 
 Array = jax.Array
 f32 = jnp.float32
@@ -76,14 +76,14 @@ def _call(x: Array, cache: Array, kernel: Array, live: Array | None, interpret: 
     Unmasked, the grid skips tap 0 (the step drops it); masked, it reads it for the padding rows."""
     B, D = x.shape
     W = kernel.shape[0]
-    rows = 256 if B % 256 == 0 else LANES
+    rows = row_block(B)
     first = 0 if live is not None else 1
     block = lambda index: pl.BlockSpec((rows, D), index)  # noqa: E731
     specs = [block(lambda b, s: (b, 0)), block(lambda b, s: (b, jnp.minimum(s + first, W - 1)))]  # x, tap
-    scratch = [pltpu.VMEM((rows, D), f32)] + ([pltpu.VMEM((rows, D), cache.dtype)] if live is not None else [])
-    args = [x, cache] if live is None else [live, x, cache]
-    if live is not None:
-        specs = [pl.BlockSpec((rows, 1), lambda b, s: (b, 0)), *specs]
+    args, scratch = [x, cache], [pltpu.VMEM((rows, D), f32)]
+    if live is not None:  # the row mask first; the tap read a step earlier kept for padding rows
+        specs, args = [pl.BlockSpec((rows, 1), lambda b, s: (b, 0)), *specs], [live, *args]
+        scratch.append(pltpu.VMEM((rows, D), cache.dtype))
     return pl.pallas_call(
         functools.partial(_kernel, width=W, first=first),
         grid=(B // rows, W + 1 - first),

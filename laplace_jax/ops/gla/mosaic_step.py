@@ -50,6 +50,12 @@ def whole_lane_tiles(batch: int) -> bool:
     return batch > 0 and batch % LANES == 0
 
 
+def row_block(batch: int) -> int:
+    """Batch rows (lanes) per grid step of the Mosaic decode kernels: ``BLOCK_ROWS``, else one lane
+    tile, else the whole batch (a kernel run by hand on a narrower one, as the tests do)."""
+    return BLOCK_ROWS if batch % BLOCK_ROWS == 0 else LANES if batch % LANES == 0 else batch
+
+
 def takes(batch: int, v_dim: int) -> bool:
     """Whether the Mosaic step kernel runs this state: where the TPU lays the state out
     batch-minor, so the kernel's [H, K, V, B] view is a bitcast. That is where the batch fills
@@ -86,7 +92,7 @@ def _call(q: Array, k: Array, g: Array, v: Array, s: Array, scale: float, interp
     H, K, B = q.shape
     V = v.shape[1]
     bk = BLOCK_K if K % BLOCK_K == 0 else K
-    rows = BLOCK_ROWS if B % BLOCK_ROWS == 0 else LANES if B % LANES == 0 else B
+    rows = row_block(B)
     qkg = pl.BlockSpec((None, bk, rows), lambda h, b, c: (h, c, b))
     vo = pl.BlockSpec((None, V, rows), lambda h, b, c: (h, 0, b))
     state = pl.BlockSpec((None, bk, V, rows), lambda h, b, c: (h, c, 0, b))
