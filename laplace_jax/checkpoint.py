@@ -195,6 +195,7 @@ class TrainCheckpointer:
             self.manager = ocp.CheckpointManager(
                 self.directory, options=options, item_names=("state", "data", "config")
             )
+        self._every = every
         self._lead = jax.process_index() == 0
         self._unsealed: set[int] = set()
         self._sealer = ThreadPoolExecutor(1)
@@ -213,9 +214,9 @@ class TrainCheckpointer:
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
     def should_save(self, step: int) -> bool:
-        """Whether ``save(step, ...)`` will write (Orbax's policy: every ``ckpt_every``, and the
-        first step of a run)."""
-        return self.manager.should_save(step)
+        """Whether ``save(step, ...)`` will write: every ``ckpt_every`` steps. (Orbax's own policy also
+        saves a run's first step, a full write of the state that resuming from it would not repay.)"""
+        return step % self._every == 0 and step != self.manager.latest_step()
 
     def save(self, step: int, state: Any, data_iter: Any, config: dict, force: bool = False) -> bool:
         args = ocp.args.Composite(
@@ -223,9 +224,11 @@ class TrainCheckpointer:
             data=grain.checkpoint.CheckpointSave(data_iter),
             config=ocp.args.JsonSave(config),
         )
-        if self._seals and (force or self.manager.should_save(step)):
+        if not (force or self.should_save(step)):
+            return False
+        if self._seals:
             self._join_seals()  # a save may delete old steps: never while one is being sealed
-        saved = self.manager.save(step, args=args, force=force)
+        saved = self.manager.save(step, args=args, force=True)
         if saved and self._lead:
             self._unsealed.add(step)
         self._seal_finished()

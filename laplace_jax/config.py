@@ -345,17 +345,37 @@ class MqarConfig(Block):
             raise ConfigError(f"data.mqar needs 1 <= min_pairs <= max_pairs; got {self.min_pairs}, {self.max_pairs}")
 
 
+def parse_sources(entries: tuple[str, ...]) -> list[tuple[str, float]]:
+    """``("data/fw=0.9", "mqar=0.1")`` -> [(location, weight)]; a bare location weighs 1."""
+    parsed = []
+    for entry in entries:
+        where, sep, weight = entry.rpartition("=")
+        if not sep:
+            where, weight = entry, "1"
+        try:
+            w = float(weight)
+        except ValueError:
+            raise ConfigError(f"data.sources entry {entry!r}: the weight after '=' must be a number") from None
+        if not where or not w > 0:
+            raise ConfigError(f"data.sources entry {entry!r} must be PATH=WEIGHT with a weight > 0 (or mqar=WEIGHT)")
+        parsed.append((where, w))
+    return parsed
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig(Block):
     """Where the tokens come from. source: "text" (``path``, or the embedded stdlib corpus when
-    ``path`` is "") or "mqar" (the synthetic recall mixture); path: a directory written by
-    ``laplace_jax.data.prepare``; tokenizer: for the embedded corpus and mqar ("byte" or a
-    Hugging Face name; prepared data records its own); seq_len: tokens per training window;
+    ``path`` is "") or "mqar" (the synthetic recall mixture); path: a dataset written by
+    ``laplace_jax.data.prepare`` (a directory or a tensorstore URL: gs://, s3://); sources: a
+    weighted mixture instead, entries "PATH=WEIGHT" (prepared datasets) or "mqar=WEIGHT", e.g.
+    ("data/fineweb=0.9", "mqar=0.1"); tokenizer: for the embedded corpus and mqar ("byte" or a
+    tokenizer.json path; prepared data records its own); seq_len: tokens per training window;
     global_batch: windows per step, all devices; eval_batches: batches per evaluation;
     embedded_max_chars: how much of the embedded corpus to tokenize."""
 
     source: str = choice("text", ("text", "mqar"))
     path: str = ""
+    sources: tuple[str, ...] = ()
     tokenizer: str = "byte"
     seq_len: int = 256
     global_batch: int = 16
@@ -367,6 +387,9 @@ class DataConfig(Block):
 
     def check(self) -> None:
         _positive(self, "data", ("seq_len", "global_batch", "eval_batches", "embedded_max_chars"))
+        if self.sources and (self.path or self.source != "text"):
+            raise ConfigError("data.sources is a mixture on its own: leave data.path empty and data.source 'text'")
+        parse_sources(self.sources)
 
 
 @dataclasses.dataclass(frozen=True)

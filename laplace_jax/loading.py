@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from laplace_jax.checkpoint import load_model, load_trained
 from laplace_jax.config import ModelConfig
-from laplace_jax.data.store import read_meta
+from laplace_jax.data.sources import tokenizer_spec
 from laplace_jax.data.tokenizer import load_tokenizer
 from laplace_jax.errors import UserError
 
@@ -42,7 +42,7 @@ def load_for_inference(
         if os.path.isdir(os.path.join(path, "checkpoints")):
             run_cfg, cfg, params = load_trained(path, step)
             data = run_cfg.get("data", {})
-            spec = tokenizer or (read_meta(data["path"])["tokenizer"] if data.get("path") else data.get("tokenizer"))
+            spec = tokenizer or tokenizer_spec(data)
         else:
             if step is not None:
                 raise UserError(f"--step picks a checkpoint of a train.py workdir; {path} is a model directory")

@@ -1,7 +1,8 @@
 """The training input pipeline on grain.
 
 documents (each followed by EOS, concatenated) -> windows of seq_len + 1 tokens (stride seq_len)
--> shuffled with a seed (reshuffled every epoch) -> global batches of ``global_batch`` windows
+-> shuffled with a seed (reshuffled every epoch; a ``Mixture`` shuffles each source and draws from
+them by weight with grain's ``mix``) -> global batches of ``global_batch`` windows
 -> each process reads only its rows [p * B/P, (p + 1) * B/P) of every global batch.
 
 The global batch at step t depends only on (data, seed, seq_len, global_batch), not on the
@@ -16,7 +17,7 @@ from typing import Protocol
 import grain
 import numpy as np
 
-from laplace_jax.data.store import TokenStore
+from laplace_jax.data.store import SplitTokens
 from laplace_jax.errors import DataError
 
 
@@ -50,12 +51,39 @@ def array_windows(tokens: np.ndarray, seq_len: int) -> Windows:
 
 
 def store_windows(path: str, split: str, seq_len: int) -> Windows:
-    store = TokenStore(path, split)
-    return Windows(store.read, len(store), seq_len)
+    """Windows over one split of a prepared dataset (its shards read as one sequence)."""
+    tokens = SplitTokens(path, split)
+    return Windows(tokens.read, len(tokens), seq_len)
+
+
+class Mixture:
+    """Weighted window sources: each shuffled with its own seed and repeated, then interleaved by
+    grain's ``MapDataset.mix`` (a fixed pattern of the weights), so window k of the stream is a pure
+    function of (sources, weights, seed, k): deterministic and resumable like one source."""
+
+    def __init__(self, parts: list[tuple[WindowSource, float]]):
+        self.parts = parts
+
+    def stream(self, seed: int) -> grain.MapDataset:
+        shuffled = [grain.MapDataset.source(w).shuffle(seed=seed + i).repeat() for i, (w, _) in enumerate(self.parts)]
+        return grain.MapDataset.mix(shuffled, [weight for _, weight in self.parts])
+
+
+class Interleaved:
+    """Window i of source i % n, in turn: the held-out windows of a mixture, every source in each batch."""
+
+    def __init__(self, sources: list[WindowSource]):
+        self.sources = sources
+
+    def __len__(self) -> int:
+        return len(self.sources) * min(map(len, self.sources))
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.sources[i % len(self.sources)][i // len(self.sources)]
 
 
 def train_batches(
-    windows: WindowSource,
+    windows: WindowSource | Mixture,
     *,
     global_batch: int,
     seed: int,
@@ -67,7 +95,10 @@ def train_batches(
     if global_batch % process_count:
         raise DataError(f"global batch {global_batch} is not divisible by {process_count} processes")
     local = global_batch // process_count
-    shuffled = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
+    if isinstance(windows, Mixture):
+        shuffled = windows.stream(seed)
+    else:
+        shuffled = grain.MapDataset.source(windows).shuffle(seed=seed).repeat()
 
     def pick(k: int) -> np.ndarray:
         step, row = divmod(int(k), local)

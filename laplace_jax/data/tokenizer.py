@@ -27,6 +27,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens; EOS = 0."""
@@ -41,6 +43,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 < i < 256).decode("utf-8", errors="replace")
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.replace("\0", "").encode("utf-8"), np.uint8).astype(np.uint32) for t in texts]
 
 
 class HFTokenizer:
@@ -66,6 +71,10 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids))
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """The Rust tokenizer's own batch call; each text is encoded alone (no special tokens)."""
+        return [np.asarray(e.ids, np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
 
 def load_tokenizer(spec: str) -> Tokenizer:
     """``"byte"`` or a tokenizer.json path; a clear error says what to download when missing."""
@@ -78,8 +87,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
 def encode_batch(spec: str, texts: list[str]) -> list[np.ndarray]:
     """Encode texts with the tokenizer ``spec`` (top-level so worker processes can run it)."""
-    tok = _cached(spec)
-    return [np.asarray(tok.encode(t), np.uint32) for t in texts]
+    return _cached(spec).encode_batch(texts)
 
 
 _CACHE: dict[str, Tokenizer] = {}

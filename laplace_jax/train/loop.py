@@ -79,6 +79,7 @@ def run(
     _check_workdir(workdir)
     if (done := _finished(config, workdir, log)) is not None:
         return done
+    _refuse_other_run(config, workdir)
     lead, t = jax.process_index() == 0, config.train
     if lead:
         log(f"{workdir}: building the training data and compiling the step (tens of seconds on a CPU)")
@@ -158,6 +159,20 @@ def _step_log(trainer: Trainer, writer: MetricsWriter, peak: float, start: int, 
         end=end,
         show=show,
     )
+
+
+def _refuse_other_run(config: RunConfig, workdir: str) -> None:
+    """A workdir whose newest intact checkpoint was written with another model or data config is
+    refused here, before the data is built and the step compiled (seconds to minutes)."""
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        return
+    ckpt = TrainCheckpointer(workdir, read_only=True)
+    try:
+        step = ckpt.latest_step()
+        if step is not None and damage(ckpt.step_dir(step)) is None:
+            _same_run(ckpt.saved_config(step), _config_dict(config))
+    finally:
+        ckpt.close()
 
 
 def _finished(config: RunConfig, workdir: str, log) -> dict[str, Any] | None:

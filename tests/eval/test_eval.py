@@ -192,8 +192,13 @@ def test_cli_numerics_and_perplexity(model_dir, tmp_path, capsys):
     )
     rep = json.loads((tmp_path / "out" / "numerics.json").read_text())
     assert rep["jit_vs_eager"]["rms_rel"] <= 1e-5 and not rep["exact"]
-    docs = tmp_path / "docs.txt"
-    docs.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(
+        "".join(
+            json.dumps({"text": f"{i}: " + "the quick brown fox jumps over the lazy dog. " * 40}) + "\n"
+            for i in range(20)
+        )
+    )
     prepare([str(docs)], "byte", str(tmp_path / "data"), val_fraction=0.5, seed=0)
     capsys.readouterr()
     args = ["perplexity", "--checkpoint", model_dir, "--tokenizer", "byte", "--data", str(tmp_path / "data")]

@@ -69,6 +69,30 @@ def test_resume_is_exact(tmp_path):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), pa, pb)
 
 
+def test_trains_on_prepared_shards_and_on_a_mixture_with_exact_resume(tmp_path):
+    """data.path on a sharded dataset from prepare, and data.sources mixing it with mqar: 8 steps
+    straight equal 4 steps, a stop, and a resume, bit for bit."""
+    from laplace_jax.data.corpus import embedded_documents
+    from laplace_jax.data.prepare import prepare
+
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for doc in embedded_documents(200_000):
+            f.write(json.dumps({"text": doc}) + "\n")
+    data = str(tmp_path / "data")
+    prepare([str(tmp_path / "docs.jsonl")], "byte", data, val_fraction=0.1)
+    for name, block in [
+        ("shards", dict(path=data)),
+        ("mixture", dict(sources=(f"{data}=0.8", "mqar=0.2"), mqar=dict(min_pairs=1, max_pairs=4))),
+    ]:
+        cfg = micro_config(data=block, train=dict(steps=8, ckpt_every=4))
+        straight = run(cfg, str(tmp_path / name / "a"), devices=jax.devices()[:1], log=_quiet)
+        run(cfg, str(tmp_path / name / "b"), max_steps=4, devices=jax.devices()[:1], log=_quiet)
+        resumed = run(cfg, str(tmp_path / name / "b"), devices=jax.devices()[:1], log=_quiet)
+        a = {h["step"]: h["loss"] for h in straight["history"]}
+        assert [a[h["step"]] for h in resumed["history"]] == [h["loss"] for h in resumed["history"]], name
+        assert [h["step"] for h in resumed["history"]] == [5, 6, 7, 8]
+
+
 def test_four_devices_equal_one(tmp_path):
     cfg = micro_config(train=dict(steps=6))
     one = run(cfg, str(tmp_path / "one"), devices=jax.devices()[:1], log=_quiet)
