@@ -35,6 +35,7 @@ DOCS = (
             "kernels.md",
             "evaluation.md",
             "development.md",
+            "data.md",
         )
     ),
 )
@@ -350,6 +351,47 @@ def _import_memory(r: dict) -> list[str]:
     ]
     head = ["bf16 checkpoint", "fp32 parameters returned", "peak above them", "peak over the largest shard"]
     return _grid(head, [row])
+
+
+def _prepare(r: dict) -> list[str]:
+    labels = {"byte_1x": "byte, 1x", "byte_4x": "byte, 4x", "bpe_1x": "BPE at GPT-2's vocabulary (50,257), 1x"}
+    rows = []
+    for name, run in r["prepare"].items():
+        limit = r["encode_limit"].get(name)
+        rows.append(
+            [
+                labels[name],
+                f"{run['tokens'] / 1e6:,.1f} M",
+                f"{run['tokens_per_s'] / 1e6:,.2f} M",
+                f"{limit['tokens_per_s'] / 1e6:,.2f} M" if limit else "",
+                f"{run['share_of_limit']:.0%}" if limit else "",
+                f"{run['peak_rss_bytes'] / 2**20:,.0f} MiB",
+            ]
+        )
+    head = ["tokenizer, data", "tokens", "tokens/s per worker", "encode_batch alone, same core", "share", "peak RSS"]
+    lines = _grid(head, rows)
+    reader, ray, ex = r["reader"], r.get("ray"), r["extrapolation"]
+    lines += [
+        "",
+        f"Peak RSS at 4x the data: {r['rss_4x_over_1x']:.2f}x the 1x run (one worker). The training reader "
+        f"(seq_len {reader['seq_len']}, global batch {reader['global_batch']}, shuffled windows over the 4x shards): "
+        f"{reader['tokens_per_s'] / 1e6:,.1f} M tokens/s on this host, against {reader['per_host_need']:,.0f} per "
+        f"host that the 3B step on 16 v5p chips (4 hosts) consumes by the TPU compiler's estimate.",
+    ]
+    if ray:
+        lines += [
+            "",
+            f"Ray executor (a local `ray start --head`, 2 CPUs, byte 1x): {ray['tokens'] / 1e6:,.1f} M tokens in "
+            f"{ray['seconds']:.1f} s wall; manifest "
+            f"{'identical to' if ray['manifest_equals_local'] else 'differs from'} the local executor's.",
+        ]
+    hours = ", ".join(f"{float(h):,.2f} h on {n} workers" for n, h in ex["hours"].items())
+    lines += [
+        "",
+        f"Extrapolated from the BPE rate ({ex['per_worker_tokens_per_s'] / 1e6:.2f} M tokens/s per worker, this text "
+        f"and tokenizer), {ex['tokens']:.0e} tokens: {hours}.",
+    ]
+    return lines
 
 
 def _tests_cpu(r: dict) -> list[str]:
@@ -1013,6 +1055,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "compile_share": (("serve_cpu_tiny.json",), _compile_share),
     "import_memory": (("import_memory.json",), _import_memory),
     "tests_cpu": (("tests_cpu.json",), _tests_cpu),
+    "prepare": (("prepare_cpu.json",), _prepare),
     "tolerances": (
         ("numerics_kernels.json", "decay_sweep.json", "numerics_recall_1x.json", "numerics_recall_1x_exact.json"),
         _tolerances,

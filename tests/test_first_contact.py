@@ -1,13 +1,17 @@
 """First contact: what a new user's first commands print and leave behind."""
 
 import json
+import os
+import re
 import time
 
 import jax
 import pytest
-from helpers import micro_config
+from helpers import ROOT, micro_config
 
+from laplace_jax.checkpoint import TrainCheckpointer
 from laplace_jax.errors import UserError
+from laplace_jax.train import loop as loop_mod
 from laplace_jax.train import trainer as trainer_mod
 from laplace_jax.train.loop import run
 
@@ -35,6 +39,28 @@ def test_rerunning_a_finished_run_trains_nothing_and_says_so(tmp_path, capsys):
     assert (tmp_path / "metrics.jsonl").read_text() == before  # no second final eval
     evals = [r for r in map(json.loads, before.splitlines()) if "eval_loss" in r]
     assert [r["step"] for r in evals] == [3, 6]
+
+
+def test_a_workdir_of_another_run_is_refused_before_data_and_compile(tmp_path, monkeypatch):
+    """The saved config is checked first (it took 44 s of data and compile before); the run
+    checkpoints every ckpt_every steps and at its end, not at step 1."""
+    run(micro_config(train=dict(steps=6, ckpt_every=5)), str(tmp_path), devices=jax.devices()[:1], log=lambda *_: None)
+    assert TrainCheckpointer(str(tmp_path), read_only=True).steps() == [5, 6]
+
+    def built(*_):
+        raise AssertionError("the data was built before the workdir was checked")
+
+    monkeypatch.setattr(loop_mod, "TrainingData", built)
+    with pytest.raises(UserError, match=r"different data config \(differs in: seq_len\).*new --workdir"):
+        run(micro_config(data=dict(seq_len=32)), str(tmp_path), devices=jax.devices()[:1], log=lambda *_: None)
+
+
+def test_readme_python_snippet_runs_as_written():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        code = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
+    scope: dict = {}
+    exec(code, scope)
+    assert scope["logits"].shape == (1, 256) and scope["token"].shape == (1,)
 
 
 def test_entry_points_name_a_missing_file_in_one_line(tmp_path, capsys):

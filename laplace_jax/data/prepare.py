@@ -75,8 +75,8 @@ class TokenizeToShard(PipelineStep):
             return
         writer.open()
         try:
-            for batch in _batches(data, BATCH):
-                with self.track_time("batch"):
+            with self.track_time("task"):  # reading, tokenizing and writing: the task's whole time
+                for batch in _batches(data, BATCH):
                     ids = encode_batch(self.tokenizer, [d.text for d in batch])
                     picks: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
                     for doc, tokens in zip(batch, ids, strict=True):
@@ -85,7 +85,7 @@ class TokenizeToShard(PipelineStep):
                         writer.splits[split].add(docs)
                         self.stat_update(f"{split}_documents", value=len(docs))
                         self.stat_update(f"{split}_tokens", value=sum(len(t) + 1 for t in docs))
-            writer.commit()
+                writer.commit()
         except BaseException:
             writer.abort()
             raise
