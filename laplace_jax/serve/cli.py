@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import os
 import sys
 
 from laplace_jax.serve.config import ServeConfig, SettingError, add_flags, flag, from_flags
@@ -55,6 +57,21 @@ def _load(cfg: ServeConfig):
         model = dataclasses.replace(model, attn_impl=cfg.attn_impl)
     weights_dtype = "float32" if cfg.exact else (cfg.weights_dtype or model.dtype)
     return path, model, cast_params(params, weights_dtype), tok, name, weights_dtype
+
+
+def weights_id(path: str, step: int | None) -> str:
+    """What identifies the served weights' bytes: the digest of their checkpoint's checksums.json
+    (written when it was saved), else the resolved path and step."""
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        steps = [int(d) for d in os.listdir(os.path.join(path, "checkpoints")) if d.isdigit()]
+        step = step if step is not None else max(steps, default=0)
+        record = os.path.join(path, "checkpoints", str(step), "checksums.json")
+    else:
+        record = os.path.join(path, "params", "checksums.json")
+    if os.path.isfile(record):
+        with open(record, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    return f"{os.path.realpath(path)}:{step}"
 
 
 def _banner(cfg: ServeConfig, path: str, engine, server, weights_dtype: str) -> None:
@@ -112,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     url = f"http://{cfg.host}:{cfg.port}"
-    server = Server(engine, tok, cfg.model_name or name, log=lambda line: print(f"{line} ({url})", flush=True))
+    log = lambda line: print(f"{line} ({url})", flush=True)  # noqa: E731
+    server = Server(engine, tok, cfg.model_name or name, log=log, weights_id=weights_id(path, cfg.step))
     _banner(cfg, path, engine, server, weights_dtype)
     make_uvicorn(server, cfg.host, cfg.port, log_level="info" if cfg.access_log else "warning").run()
     return 0

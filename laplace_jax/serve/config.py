@@ -34,7 +34,7 @@ def byte_size(text: str) -> int:
 def _setting(default: Any, group: str, help: str, *, lo: float | None = None, positive: bool = False, **flag: Any):
     """A field with its help text, its flag's group and its range (``lo`` <= value; ``positive``:
     > 0); ``flag``: extra ``argparse`` arguments (``choices``, ``type``; ``shown``: the flag's
-    default as --help shows it, parsed by its ``type``)."""
+    default as --help shows it, parsed by its ``type``; ``aliases``: other spellings, vLLM's)."""
     meta = {"group": group, "help": help, "lo": lo, "positive": positive, "flag": flag}
     return dataclasses.field(default=default, metadata=meta)
 
@@ -47,7 +47,9 @@ class ServeConfig:
     checkpoint: str | None = _setting(None, "model", "train.py workdir or model directory (default: newest in runs/)")
     step: int | None = _setting(None, "model", "checkpoint step of a workdir (default: the newest)", lo=0)
     tokenizer: str | None = _setting(None, "model", "tokenizer spec for model directories ('byte' or tokenizer.json)")
-    model_name: str | None = _setting(None, "model", "model id clients send (default: directory name)")
+    model_name: str | None = _setting(
+        None, "model", "model id clients send (default: directory name)", aliases=("--served-model-name",)
+    )
     exact: bool = _setting(
         False, "model", "reproducibility over speed: float32 compute, no excess precision, deterministic XLA ops"
     )
@@ -185,12 +187,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(ServeConfig):
         meta = f.metadata
         extra = dict(meta["flag"])
+        aliases = extra.pop("aliases", ())
         kw: dict[str, Any] = {"default": extra.pop("shown", f.default), "help": meta["help"], **extra}
         if f.type in ("bool", bool):
             kw["action"] = "store_true"
         elif "type" not in kw:
             kw["type"] = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-        groups[meta["group"]].add_argument(flag(f.name), **kw)
+        groups[meta["group"]].add_argument(flag(f.name), *aliases, dest=f.name, **kw)
 
 
 def from_flags(ns: argparse.Namespace) -> ServeConfig:

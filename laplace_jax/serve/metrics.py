@@ -1,12 +1,15 @@
-"""Prometheus metrics in vLLM's naming style (prefix ``laplace:``), one registry per server."""
+"""Prometheus metrics in vLLM's naming style (prefix ``laplace:``), one registry per server, and
+the same values under vLLM's own names (``vllm:*``), which routers, autoscalers and the
+Kubernetes Gateway API Inference Extension read (``VllmNames``)."""
 
 from __future__ import annotations
 
 import time
 
 import jax
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -57,7 +60,14 @@ class ServeMetrics:
         self.prefix_bytes = Gauge(p + "prefix_cache_bytes", "Bytes the prefix cache holds", ["device"], registry=r)
         self.prefix_entries = Gauge(p + "prefix_cache_entries", "Entries the prefix cache holds", registry=r)
         self._synced: dict[str, int] = {}
+        self._vllm: VllmNames | None = None
         jax.monitoring.register_event_listener(self._on_event)
+
+    def export_vllm_names(self, model_name: str) -> None:
+        """Also export the vLLM-named metrics (``VllmNames``) with ``model_name`` as their label."""
+        if self._vllm is None:
+            self._vllm = VllmNames(self, model_name)
+            self.registry.register(self._vllm)
 
     @staticmethod
     def total(counter: Counter) -> int:
@@ -115,6 +125,58 @@ class ServeMetrics:
         self.finished.labels(reason).inc()
         self.generation_tokens.inc(generated)
         self.e2e.observe(time.perf_counter() - req.arrival)
+
+
+class VllmNames:
+    """A collector that exports some of ``ServeMetrics`` again under vLLM's names, read from the same
+    objects at each scrape (the same values; nothing is counted twice), each with vLLM's
+    ``model_name`` label, plus the gauges vLLM derives:
+
+    - ``vllm:gpu_cache_usage_perc`` and ``vllm:kv_cache_usage_perc``: the share of decode slots in
+      use (a sequence's state is fixed-size, so slots are what a KV cache's blocks are to vLLM);
+    - ``vllm:gpu_prefix_cache_hit_rate``: prompt tokens restored from the prefix cache over prompt
+      tokens, with ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (tokens) behind it."""
+
+    def __init__(self, metrics: ServeMetrics, model_name: str):
+        self.m, self.labels = metrics, {"model_name": model_name}
+
+    def _renamed(self, metric) -> list[Metric]:
+        out = []
+        for family in metric.collect():
+            renamed = Metric(family.name.replace("laplace:", "vllm:", 1), family.documentation, family.type)
+            renamed.samples = [
+                Sample(s.name.replace("laplace:", "vllm:", 1), {**s.labels, **self.labels}, s.value, s.timestamp)
+                for s in family.samples
+            ]
+            out.append(renamed)
+        return out
+
+    def _gauge(self, name: str, doc: str, value: float) -> Metric:
+        g = Metric(name, doc, "gauge")
+        g.add_sample(name, self.labels, value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> Metric:
+        c = Metric(name, doc, "counter")
+        c.add_sample(name + "_total", self.labels, value)
+        return c
+
+    def collect(self):
+        m = self.m
+        mirrored = (m.running, m.waiting, m.prompt_tokens, m.generation_tokens, m.finished)
+        for metric in (*mirrored, m.ttft, m.itl, m.e2e, m.queue):
+            yield from self._renamed(metric)
+        used = sum(s.value for f in m.device_slots_used.collect() for s in f.samples)
+        per_device = next(s.value for f in m.device_slots_total.collect() for s in f.samples)
+        devices = sum(1 for f in m.device_slots_used.collect() for _ in f.samples)
+        usage = used / (per_device * devices) if per_device and devices else 0.0
+        yield self._gauge("vllm:gpu_cache_usage_perc", "Share of decode slots in use (1 = all)", usage)
+        yield self._gauge("vllm:kv_cache_usage_perc", "Share of decode slots in use (1 = all)", usage)
+        queries, hits = m.total(m.prompt_tokens), m.total(m.prefix_tokens)
+        yield self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
+        yield self._counter("vllm:prefix_cache_hits", "Prompt tokens restored from the prefix cache", hits)
+        rate = hits / queries if queries else 0.0
+        yield self._gauge("vllm:gpu_prefix_cache_hit_rate", "Prompt tokens restored over prompt tokens", rate)
 
 
 def sample_sum(text: str, name: str, **labels: str) -> float:

@@ -1,5 +1,6 @@
 """The HTTP routes (FastAPI): OpenAI's /v1/completions, /v1/chat/completions, /v1/models, vLLM's
-/tokenize, /detokenize, /tokenizer_info, /version, and /health, /metrics.
+/tokenize, /detokenize, /tokenizer_info, /version, /health, /metrics (ours and vLLM's names), and
+what routers ask a worker: SGLang's /get_server_info (= /server_info) and /get_load.
 
 The engine runs in its own thread; results reach asyncio through ``loop.call_soon_threadsafe``.
 Request bodies are parsed, validated and tokenized in worker threads, so a large prompt never
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import difflib
+import hashlib
 import importlib.metadata
 import json
 import threading
@@ -135,15 +138,27 @@ class Server:
     one line when warmup ends (serve.py prints it).
     """
 
-    def __init__(self, engine: Engine, tokenizer: Any, model_name: str, log: Callable[[str], None] | None = None):
-        """The HTTP settings (auth, limits, drain, profiling, sampling defaults) are ``engine.serve``'s."""
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        model_name: str,
+        log: Callable[[str], None] | None = None,
+        weights_id: str = "",
+    ):
+        """The HTTP settings (auth, limits, drain, profiling, sampling defaults) are ``engine.serve``'s.
+        ``weights_id``: what identifies the weights' bytes (``cli.weights_id``), part of the
+        ``model_fingerprint`` that /get_server_info reports and the cluster launcher compares."""
         cfg = engine.serve
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        facts = [dataclasses.asdict(engine.cfg), type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.eos_id]
+        self.fingerprint = hashlib.sha256(json.dumps([*facts, weights_id], default=str).encode()).hexdigest()[:16]
         self.trace = None if cfg.profile_dir is None else Trace(cfg.profile_dir)
         self.log = log
         defaults = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
         self.gen = Generation(engine, tokenizer, model_name, defaults)
         self.metrics: ServeMetrics = engine.metrics
+        self.metrics.export_vllm_names(model_name)
         self.drain_timeout = cfg.drain_timeout
         self.warm_progress = "starting"
         self.created = int(time.time())
@@ -275,6 +290,27 @@ class Server:
         async def model(model_id: str):
             self._check_model(model_id)
             return card()
+
+        @app.get("/get_server_info")
+        @app.get("/server_info")
+        async def server_info():  # SGLang's worker contract: routers list the model by served_model_name
+            e = self.engine
+            return {
+                "served_model_name": self.model_name,
+                "model_fingerprint": self.fingerprint,
+                "max_model_len": e.max_model_len,
+                "max_num_seqs": e.slots_per_device * e.n_devices,
+                "devices": e.n_devices,
+                "state_bytes_per_sequence": e.state_bytes,
+                "status": e.status()[0],
+                "version": importlib.metadata.version("laplace-jax"),
+            }
+
+        @app.get("/get_load")
+        async def get_load():  # SGLang's load report (its power_of_two policy polls it)
+            running, waiting = self.engine.counts()
+            # num_tokens is SGLang's KV-cache tokens in use: a fixed-size state holds none per token
+            return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": 0}]
 
         @app.get("/metrics")
         async def metrics():
