@@ -134,3 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     _banner(cfg, path, engine, server, weights_dtype)
     make_uvicorn(server, cfg.host, cfg.port, log_level="info" if cfg.access_log else "warning").run()
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

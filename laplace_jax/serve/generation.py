@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -50,8 +51,18 @@ class Generation:
     """Runs completions and chat requests on ``engine``: ``respond`` serves a request's
     ``SamplingParams`` (``defaults`` fill what a request leaves out: ``to_sampling_params``)."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, model_name: str, defaults: SamplingParams | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        model_name: str,
+        defaults: SamplingParams | None = None,
+        off_loop: Callable[..., Awaitable[Any]] | None = None,
+    ):
+        """``off_loop(fn, *args)``: where request checks run off the event loop (the server's bounded
+        parser threads; ``asyncio.to_thread`` by default)."""
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.off_loop = off_loop or asyncio.to_thread
         self.defaults = defaults or SamplingParams()
         self.metrics: ServeMetrics = engine.metrics
 
@@ -111,7 +122,7 @@ class Generation:
             for p, g in enumerate(groups)
             for j, r in enumerate(g)
         ]
-        await asyncio.to_thread(self._submit, groups)
+        await self.off_loop(self._submit, groups)
         reqs = [s.req for s in seqs]
         watcher = asyncio.create_task(self._watch(request, reqs, queue))
         left = len(seqs)

@@ -20,7 +20,7 @@ import json
 from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator
 
 from laplace_jax.data.tokenizer import Tokenizer
 from laplace_jax.sampling import TOP_LOGPROBS
@@ -42,6 +42,15 @@ CHAT_TEMPLATE_JINJA = (  # the same template for clients that render it themselv
     "{% for m in messages %}<|{{ 'system' if m['role'] == 'developer' else m['role'] }}|>\n"
     "{{ m['content'] | replace('<|', '<\\\\|') }}\n{% endfor %}<|assistant|>\n"
 )
+
+
+# SGLang fields at the value that is refused, and why (any other value is what this server does)
+NO_OP_FIELDS = {
+    "no_stop_trim": (True, "stop strings are always trimmed (include_stop_str_in_output keeps them)"),
+    "skip_special_tokens": (False, "special tokens are never emitted (EOS ends a sequence)"),
+    "return_hidden_states": (True, "hidden states are not returned"),
+    "continue_final_message": (True, "every chat prompt ends with the assistant marker"),
+}
 
 
 class _Strict(BaseModel):
@@ -88,6 +97,21 @@ class _Common(_Strict):
     user: str | None = None
     return_tokens_as_token_ids: bool = False
     request_id: str | None = Field(None, max_length=128)  # vLLM: the response's id is built from it
+    # SGLang's fields, which sglang-router adds to every request it forwards: accepted at the values
+    # that ask for what this server does anyway, refused (with the reason) at any other
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    return_hidden_states: bool = False
+
+    @field_validator(
+        "no_stop_trim", "skip_special_tokens", "return_hidden_states", "continue_final_message", check_fields=False
+    )
+    @classmethod
+    def _no_op(cls, value: bool, info: ValidationInfo) -> bool:
+        refused, why = NO_OP_FIELDS[info.field_name]
+        if value == refused:
+            raise ValueError(f"{str(value).lower()} is not supported: {why}")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -164,6 +188,9 @@ class ResponseFormat(_Strict):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    continue_final_message: bool = False  # sglang-router sends it (false); see _no_op
+    separate_reasoning: bool = True  # sglang-router's reasoning switches: no reasoning parser runs,
+    stream_reasoning: bool = True  # so either value serves the same
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = _range(None, 0, TOP_LOGPROBS)

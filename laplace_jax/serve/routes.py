@@ -22,6 +22,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pydantic
@@ -41,6 +42,7 @@ from laplace_jax.serve.protocol import ApiError
 from laplace_jax.serve.request import SamplingParams
 
 MAX_PROMPTS = 64  # prompts in one completions request
+PARSERS = 2  # threads that parse and tokenize request bodies (Server.off_loop)
 TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's names of union members in an error's loc
 
 
@@ -92,7 +94,6 @@ UNSUPPORTED = {  # fields OpenAI or vLLM clients send that this server does not 
     "bad_words": "bad-word lists (logit_bias of -100 excludes a token)",
     "logits_processors": "custom logits processors",
     "truncate_prompt_tokens": "prompt truncation (a prompt past max_model_len is refused whole)",
-    "skip_special_tokens": "detokenizer options (special tokens are never emitted: EOS ends a sequence)",
     "spaces_between_special_tokens": "detokenizer options (special tokens are never emitted)",
     "priority": "request priorities (requests are admitted in arrival order)",
     "cache_salt": "prefix-cache salts (the prefix cache is per server)",
@@ -101,7 +102,6 @@ UNSUPPORTED = {  # fields OpenAI or vLLM clients send that this server does not 
     "mm_processor_kwargs": "multimodal input",
     "chat_template": "custom chat templates (the template is fixed: /tokenizer_info shows it)",
     "chat_template_kwargs": "custom chat templates",
-    "continue_final_message": "continuing the last message (every prompt ends with the assistant marker)",
     "add_generation_prompt": "chat prompts without the assistant marker",
     "documents": "retrieval documents",
     "reasoning_effort": "reasoning models",
@@ -154,9 +154,10 @@ class Server:
         facts = [dataclasses.asdict(engine.cfg), type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.eos_id]
         self.fingerprint = hashlib.sha256(json.dumps([*facts, weights_id], default=str).encode()).hexdigest()[:16]
         self.trace = None if cfg.profile_dir is None else Trace(cfg.profile_dir)
+        self._parsers = ThreadPoolExecutor(PARSERS, thread_name_prefix="parse")
         self.log = log
         defaults = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
-        self.gen = Generation(engine, tokenizer, model_name, defaults)
+        self.gen = Generation(engine, tokenizer, model_name, defaults, self.off_loop)
         self.metrics: ServeMetrics = engine.metrics
         self.metrics.export_vllm_names(model_name)
         self.drain_timeout = cfg.drain_timeout
@@ -200,9 +201,15 @@ class Server:
             raise ApiError(400, f"send 1 to {MAX_PROMPTS} prompts per request; got {len(prompts)}", "prompt")
         return prompts
 
+    async def off_loop(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` on one of ``PARSERS`` threads: request bodies are parsed and tokenized there,
+        never on the event loop, and by few threads at once, so a burst of large bodies holds the
+        GIL from the loop (which answers /health) for a bounded share of the time."""
+        return await asyncio.get_running_loop().run_in_executor(self._parsers, fn, *args)
+
     async def _body(self, request: Request, model: type[pydantic.BaseModel]):
         self._ready_or_503()
-        return await asyncio.to_thread(_parse, await request.body(), model)
+        return await self.off_loop(_parse, await request.body(), model)
 
     # ----- app ----------------------------------------------------------------------------
     def _build(self) -> FastAPI:
@@ -306,6 +313,11 @@ class Server:
                 "version": importlib.metadata.version("laplace-jax"),
             }
 
+        @app.get("/model_info")
+        @app.get("/get_model_info")
+        async def model_info():  # what SGLang's router asks a new worker; no model_path: nothing to download
+            return {"served_model_name": self.model_name, "is_generation": True, "model_path": None}
+
         @app.get("/get_load")
         async def get_load():  # SGLang's load report (its power_of_two policy polls it)
             running, waiting = self.engine.counts()
@@ -357,19 +369,19 @@ class Server:
 
         @app.post("/tokenize")
         async def tokenize(request: Request):
-            body = await asyncio.to_thread(_parse, await request.body(), pr.TokenizeRequest)
+            body = await self.off_loop(_parse, await request.body(), pr.TokenizeRequest)
             self._check_model(body.model)
             if (body.prompt is None) == (body.messages is None):
                 raise ApiError(400, "send exactly one of prompt and messages", "prompt")
             if body.prompt is not None:
-                ids = await asyncio.to_thread(self._encode, body.prompt, "prompt")
+                ids = await self.off_loop(self._encode, body.prompt, "prompt")
             else:
-                ids = await asyncio.to_thread(self._encode, pr.chat_prompt(body.messages), "messages")
+                ids = await self.off_loop(self._encode, pr.chat_prompt(body.messages), "messages")
             return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
         @app.post("/detokenize")
         async def detokenize(request: Request):
-            body = await asyncio.to_thread(_parse, await request.body(), pr.DetokenizeRequest)
+            body = await self.off_loop(_parse, await request.body(), pr.DetokenizeRequest)
             self._check_model(body.model)
             if any(not 0 <= t < self.tok.vocab_size for t in body.tokens):
                 raise ApiError(400, f"tokens must lie in [0, {self.tok.vocab_size})", "tokens")
@@ -381,7 +393,7 @@ class Server:
             body: pr.CompletionRequest = await self._body(request, pr.CompletionRequest)
             self._check_model(body.model)
             sp = body.to_sampling_params(self.gen.defaults)
-            prompts = await asyncio.to_thread(self._prompts, body.prompt)
+            prompts = await self.off_loop(self._prompts, body.prompt)
             return await self.gen.respond(request, body, prompts, sp, body.candidates(), chat=False, echo=body.echo)
 
         streamed = {"text/event-stream": {"schema": {"$ref": "#/components/schemas/ChatCompletionChunk"}}}
@@ -391,5 +403,5 @@ class Server:
             body: pr.ChatRequest = await self._body(request, pr.ChatRequest)
             self._check_model(body.model)
             sp = body.to_sampling_params(self.gen.defaults)
-            ids = await asyncio.to_thread(self._encode, pr.chat_prompt(body.messages), "messages")
+            ids = await self.off_loop(self._encode, pr.chat_prompt(body.messages), "messages")
             return await self.gen.respond(request, body, [ids], sp, body.n, chat=True, echo=False)
