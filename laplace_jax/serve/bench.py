@@ -4,7 +4,9 @@
         --num-prompts 64 --input-len 128 --output-len 64 --request-rate 8 --burstiness 1 \\
         --max-concurrency 16 --out results.json
 
-Prompts are random token ids (exact input lengths) or lines of a --prompts-file.
+Prompts are random token ids (exact input lengths), the same as text with ``--text`` (one letter
+per id, an exact length with the byte tokenizer: routers such as sglang-router's cache_aware
+match prefixes of the request text), or lines of a --prompts-file.
 ``--workload shared-prefix``: each prompt is one of --num-prefixes random --prefix-len-id system
 prompts followed by --input-len random ids (K system prompts x many users).
 ``--workload multi-turn``: --num-prompts chats of --turns turns, run turn by turn; each turn's
@@ -178,6 +180,8 @@ async def run(args: argparse.Namespace) -> dict:
         prompts = [texts[i % len(texts)] for i in range(args.num_prompts)]
     else:
         prompts = [rng.integers(1, args.vocab_size, args.input_len).tolist() for _ in range(args.num_prompts)]
+    if args.text and not args.prompts_file:
+        prompts = ["".join(chr(97 + t % 26) for t in p) for p in prompts]
     gaps = arrival_gaps(args.num_prompts, args.request_rate, args.burstiness, rng)
     sem = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
     url = args.base_url.rstrip("/") + "/v1/completions"
@@ -233,6 +237,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--turns", type=int, default=3, help="multi-turn: turns per chat")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prompts-file", default=None, help="one prompt per line (text) instead of random ids")
+    ap.add_argument("--text", action="store_true", help="send the random prompts as text (a letter per id)")
     ap.add_argument("--vocab-size", type=int, default=256, help="range of random prompt ids")
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
     ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson)")
