@@ -394,6 +394,36 @@ def _prepare(r: dict) -> list[str]:
     return lines
 
 
+def _cluster(r: dict) -> list[str]:
+    labels = {"one_server": "one server, 2 devices", "router": "sglang-router + 2 replicas of 1 device"}
+    rows = []
+    for setup, workloads in r["setups"].items():
+        for workload, m in workloads.items():
+            rows.append(
+                [
+                    labels[setup],
+                    workload.replace("_", "-"),
+                    f"{m['completed']}/{m['completed'] + m['failed']}",
+                    f"{m['request_throughput']:.2f}",
+                    f"{m['output_throughput']:.0f}",
+                    _ms(m["ttft_p50_s"]),
+                    _ms(m["ttft_p99_s"]),
+                    f"{m['prefix_hit_rate']:.0%}",
+                    " / ".join(f"{n:.0f}" for n in m["finished_per_server"]),
+                ]
+            )
+    head = ["setup", "workload", "ok", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "prefix hits", "per server"]
+    burst = r["health_under_burst"]
+    worst = ", ".join(f"{s:.2f}" for s in burst["health_max_s"])
+    return [
+        *_grid(head, rows),
+        "",
+        f"Prefix-cache hit rate through the router: {r['prefix_hit_rate_router_over_one']:.2f}x one server's "
+        f"(prefix-heavy). `/health` with an API key while {burst['bodies_per_burst']} concurrent ~1 MiB bodies "
+        f"arrive, slowest answer per burst: {worst} s (statuses {burst['statuses']}).",
+    ]
+
+
 def _tests_cpu(r: dict) -> list[str]:
     total = f"{r['passed']} passed, {r['skipped']} skipped, {r['failed']} failed in {r['wall_s']:,.0f} s"
     rows = [["the whole suite (2 CPU cores, file order)", total]]
@@ -1056,6 +1086,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "import_memory": (("import_memory.json",), _import_memory),
     "tests_cpu": (("tests_cpu.json",), _tests_cpu),
     "prepare": (("prepare_cpu.json",), _prepare),
+    "cluster": (("cluster_cpu.json",), _cluster),
     "tolerances": (
         ("numerics_kernels.json", "decay_sweep.json", "numerics_recall_1x.json", "numerics_recall_1x_exact.json"),
         _tolerances,

@@ -217,7 +217,7 @@ async def run(args: argparse.Namespace) -> dict:
         "tpot_s": stats(tpot),
         "itl_s": stats([x for r in ok for x in r["itl"]]),
         "e2el_s": stats([r["e2el"] for r in ok]),
-        "ttft_by_request_s": [r["ttft"] for r in results],
+        "ttft_by_request_s": [r.get("ttft") for r in results],
     }
 
 

@@ -61,6 +61,16 @@ def _parse(raw: bytes, model: type[pydantic.BaseModel]) -> Any:
         # a union field (stop: a string or a list of them) fails once per member: report the member
         # whose type matched, whose error says what is wrong with the value
         err = next((x for x in errors if not x.get("type", "").endswith("_type")), errors[0])
+        # a required field missing beside an unknown one near its name ({"promt": ...}): the typo
+        missing = [str(x["loc"][0]) for x in errors if x.get("type") == "missing" and len(x["loc"]) == 1]
+        typo = [
+            x
+            for x in errors
+            if x.get("type") == "extra_forbidden"
+            and len(x["loc"]) == 1
+            and difflib.get_close_matches(str(x["loc"][0]), missing, n=1)
+        ]
+        err = typo[0] if typo else err
         loc = tuple(x for x in err.get("loc", ()) if not (isinstance(x, str) and ("[" in x or "-" in x or x in TAGS)))
         if err.get("type") == "extra_forbidden":
             param = ".".join(str(x) for x in loc) or None

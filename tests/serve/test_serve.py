@@ -190,6 +190,14 @@ def test_unknown_fields_are_explained(srv, route, body, message):
     assert r.json()["error"]["param"] == next(iter(body))
 
 
+def test_a_misspelt_required_field_is_named_as_the_typo(srv):
+    r = srv.post({"model": "tiny", "promt": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "promt"
+    assert r.json()["error"]["message"] == "unknown parameter 'promt'; did you mean 'prompt'?"
+    r = srv.post({"model": "tiny", "mesages": []}, "/v1/chat/completions")
+    assert "did you mean 'messages'?" in r.json()["error"]["message"]
+
+
 def test_every_vllm_field_is_served_or_refused_with_its_reason(srv):
     """Each field vLLM or OpenAI clients send that this server does not implement gets 400 naming
     it, "not supported" and what is missing; on the chat route and the completions route alike."""
