@@ -147,12 +147,17 @@ def stop(children: list[Child], timeout: float) -> None:
                 c.proc.wait()
 
 
+class StopSignalError(Exception):
+    """SIGINT or SIGTERM arrived: stop everything started so far."""
+
+
+def _on_signal(sig: int, _frame) -> None:
+    raise StopSignalError(signal.Signals(sig).name)
+
+
 def supervise(router: Child, replicas: list[Child], restart: bool) -> int:
-    """Watch until a signal or the router's exit; restart replicas that exit when asked."""
-    stopping = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda s, _: stopping.append(s))
-    while not stopping:
+    """Watch until a signal (``StopSignalError``) or the router's exit; restart replicas that exit when asked."""
+    while True:
         if not router.alive():
             print(f"router exited ({router.proc.returncode}); its log ends:\n{router.tail()}", file=sys.stderr)
             return 1
@@ -164,7 +169,6 @@ def supervise(router: Child, replicas: list[Child], restart: bool) -> int:
                 else:
                     c.proc = None
         time.sleep(0.5)
-    return 0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -199,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.log_dir, exist_ok=True)
     replicas = [] if a.worker_urls else replica_children(a)
     started: list[Child] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from here on a signal stops whatever has started
+        signal.signal(sig, _on_signal)
     try:
         for c in replicas:
             c.start()
@@ -219,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except StopSignalError:
+        return 0
     finally:
         stop(started, a.stop_timeout)
         if started:
