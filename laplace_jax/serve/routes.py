@@ -1,6 +1,6 @@
 """The HTTP routes (FastAPI): OpenAI's /v1/completions, /v1/chat/completions, /v1/models, vLLM's
 /tokenize, /detokenize, /tokenizer_info, /version, /health, /metrics (ours and vLLM's names), and
-what routers ask a worker: SGLang's /get_server_info (= /server_info) and /get_load.
+what routers ask a worker (``worker_routes.py``).
 
 The engine runs in its own thread; results reach asyncio through ``loop.call_soon_threadsafe``.
 Request bodies are parsed, validated and tokenized in worker threads, so a large prompt never
@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import difflib
-import hashlib
 import importlib.metadata
 import json
 import threading
@@ -40,6 +38,7 @@ from laplace_jax.serve.metrics import ServeMetrics
 from laplace_jax.serve.middleware import Boundary
 from laplace_jax.serve.protocol import ApiError
 from laplace_jax.serve.request import SamplingParams
+from laplace_jax.serve.worker_routes import add_worker_routes, model_fingerprint
 
 MAX_PROMPTS = 64  # prompts in one completions request
 PARSERS = 2  # threads that parse and tokenize request bodies (Server.off_loop)
@@ -156,13 +155,11 @@ class Server:
         log: Callable[[str], None] | None = None,
         weights_id: str = "",
     ):
-        """The HTTP settings (auth, limits, drain, profiling, sampling defaults) are ``engine.serve``'s.
-        ``weights_id``: what identifies the weights' bytes (``cli.weights_id``), part of the
-        ``model_fingerprint`` that /get_server_info reports and the cluster launcher compares."""
+        """The HTTP settings (auth, limits, drain, profiling, sampling defaults) are ``engine.serve``'s;
+        ``weights_id``: see ``worker_routes.model_fingerprint``."""
         cfg = engine.serve
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
-        facts = [dataclasses.asdict(engine.cfg), type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.eos_id]
-        self.fingerprint = hashlib.sha256(json.dumps([*facts, weights_id], default=str).encode()).hexdigest()[:16]
+        self.fingerprint = model_fingerprint(engine, tokenizer, weights_id)
         self.trace = None if cfg.profile_dir is None else Trace(cfg.profile_dir)
         self._parsers = ThreadPoolExecutor(PARSERS, thread_name_prefix="parse")
         self.log = log
@@ -212,9 +209,8 @@ class Server:
         return prompts
 
     async def off_loop(self, fn: Callable, *args: Any) -> Any:
-        """``fn(*args)`` on one of ``PARSERS`` threads: request bodies are parsed and tokenized there,
-        never on the event loop, and by few threads at once, so a burst of large bodies holds the
-        GIL from the loop (which answers /health) for a bounded share of the time."""
+        """``fn(*args)`` on one of ``PARSERS`` threads (parsing, tokenizing): never on the event loop, and
+        few at once, so a burst of large bodies holds the GIL from the loop (and /health) a bounded time."""
         return await asyncio.get_running_loop().run_in_executor(self._parsers, fn, *args)
 
     async def _body(self, request: Request, model: type[pydantic.BaseModel]):
@@ -237,6 +233,7 @@ class Server:
         app = FastAPI(title="laplace-jax", lifespan=lifespan)
         self._add_error_handlers(app)
         self._add_status_routes(app)
+        add_worker_routes(app, self.engine, self.model_name, self.fingerprint)
         self._add_tokenizer_routes(app)
         self._add_generation_routes(app)
         self._add_profile_routes(app)
@@ -307,32 +304,6 @@ class Server:
         async def model(model_id: str):
             self._check_model(model_id)
             return card()
-
-        @app.get("/get_server_info")
-        @app.get("/server_info")
-        async def server_info():  # SGLang's worker contract: routers list the model by served_model_name
-            e = self.engine
-            return {
-                "served_model_name": self.model_name,
-                "model_fingerprint": self.fingerprint,
-                "max_model_len": e.max_model_len,
-                "max_num_seqs": e.slots_per_device * e.n_devices,
-                "devices": e.n_devices,
-                "state_bytes_per_sequence": e.state_bytes,
-                "status": e.status()[0],
-                "version": importlib.metadata.version("laplace-jax"),
-            }
-
-        @app.get("/model_info")
-        @app.get("/get_model_info")
-        async def model_info():  # what SGLang's router asks a new worker; no model_path: nothing to download
-            return {"served_model_name": self.model_name, "is_generation": True, "model_path": None}
-
-        @app.get("/get_load")
-        async def get_load():  # SGLang's load report (its power_of_two policy polls it)
-            running, waiting = self.engine.counts()
-            # num_tokens is SGLang's KV-cache tokens in use: a fixed-size state holds none per token
-            return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": 0}]
 
         @app.get("/metrics")
         async def metrics():

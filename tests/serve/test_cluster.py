@@ -108,8 +108,9 @@ def _prefix_hits(url: str) -> float:
 @pytest.mark.slow
 def test_replicas_behind_sglang_router(tmp_path):
     """Two replicas and the router from one command: the openai client unmodified through it,
-    requests sharing a long prefix land where it is cached, a replica killed under load costs no
-    request and is seen down within 10 s, then rejoins; a replica of another model is refused."""
+    requests sharing a long prefix land where it is cached, a replica killed under load costs only
+    the requests in flight on it and is seen down within 10 s, then rejoins; a replica of another
+    model is refused."""
     model = _model_dir(tmp_path / "tiny", 0)
     port = portpicker.pick_unused_port()
     while any(not portpicker.is_port_free(port + i) for i in (1, 2)):
@@ -140,56 +141,10 @@ def test_replicas_behind_sglang_router(tmp_path):
         )
         assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 1
 
-        results, stop = [], threading.Event()
-
-        def load(i: int) -> None:
-            with httpx.Client(timeout=30) as c:
-                n = 0
-                while not stop.is_set():
-                    body = {"model": "tiny", "prompt": f"{i}-{n}", "max_tokens": 8}
-                    t = time.monotonic()
-                    try:
-                        r = c.post(router + "/v1/completions", json=body)
-                        results.append((t, r.status_code, r.text if r.status_code != 200 else ""))
-                    except httpx.HTTPError as e:  # a hang past the timeout or a dropped connection
-                        results.append((t, type(e).__name__, str(e)))
-                    n += 1
-
-        threads = [threading.Thread(target=load, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        time.sleep(2)
-        victim = int(subprocess.check_output(["pgrep", "-f", "--", f"--port {port + 1}"]).split()[0])
-        killed = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        seen = _wait_for(lambda: _healthy(router).get(replicas[0]) is False, 30, "the router never saw it down")
-        assert seen <= 10
-        time.sleep(2)
-        stop.set()
-        for t in threads:
-            t.join()
-        failed = [r for r in results if r[1] != 200]
-        print(f"{len(results)} requests, {len(failed)} failed: {failed[:3]}")
-        assert len(results) > 20 and all(isinstance(code, int) and code >= 500 for _, code, _ in failed), failed
-        assert all(killed - 1 < t < killed + seen for t, _, _ in failed), failed  # only those caught by the kill
+        _kill_one_under_load(router, replicas[0], port + 1)
         _wait_for(lambda: _healthy(router).get(replicas[0]) is True, 240, "the restarted replica did not rejoin")
 
-        other = _model_dir(tmp_path / "other", 1)
-        other_port = portpicker.pick_unused_port()
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        cmd = [sys.executable, "-m", "laplace_jax.serve.cli", "--checkpoint", other, "--tokenizer", "byte"]
-        odd = subprocess.Popen([*cmd, "--model-name", "tiny", "--port", str(other_port)], env=env)
-        try:
-            other_url = f"http://127.0.0.1:{other_port}"
-            _wait_for(lambda: _healthy_server(other_url), 120, "the other server did not start")
-            refused = subprocess.run(
-                [sys.executable, "-m", "laplace_jax.serve.cluster", "--worker-urls", replicas[1], other_url],
-                capture_output=True, text=True, env=env, timeout=120,
-            )  # fmt: skip
-            assert refused.returncode == 2 and "serve different models, refused" in refused.stderr
-        finally:
-            odd.terminate()
-            odd.wait(30)
+        _another_model_is_refused(tmp_path, replicas[1])
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(90)
@@ -203,3 +158,62 @@ def _healthy_server(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _kill_one_under_load(router: str, victim_url: str, victim_port: int) -> None:
+    """SIGKILL the replica on ``victim_port`` while three clients load the router: only requests in
+    flight on it may fail, with a 5xx at once (no hang); the router sees it down within 10 s."""
+    results, stop = [], threading.Event()
+
+    def load(i: int) -> None:
+        with httpx.Client(timeout=30) as c:
+            n = 0
+            while not stop.is_set():
+                body = {"model": "tiny", "prompt": f"{i}-{n}", "max_tokens": 8}
+                t = time.monotonic()
+                try:
+                    r = c.post(router + "/v1/completions", json=body)
+                    results.append((t, r.status_code, r.text if r.status_code != 200 else ""))
+                except httpx.HTTPError as e:  # a hang past the timeout or a dropped connection
+                    results.append((t, type(e).__name__, str(e)))
+                n += 1
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        victim = int(subprocess.check_output(["pgrep", "-f", "--", f"--port {victim_port}"]).split()[0])
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        seen = _wait_for(lambda: _healthy(router).get(victim_url) is False, 30, "the router never saw it down")
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert seen <= 10
+    failed = [r for r in results if r[1] != 200]
+    print(f"{len(results)} requests, {len(failed)} failed: {failed[:3]}")
+    assert len(results) > 20 and all(isinstance(code, int) and code >= 500 for _, code, _ in failed), failed
+    assert all(killed - 1 < t < killed + seen for t, _, _ in failed), failed  # only those caught by the kill
+
+
+def _another_model_is_refused(tmp_path, replica: str) -> None:
+    """A server of other weights under the same name, fronted with ``replica``: the launcher refuses."""
+    other = _model_dir(tmp_path / "other", 1)
+    other_port = portpicker.pick_unused_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "laplace_jax.serve.cli", "--checkpoint", other, "--tokenizer", "byte"]
+    odd = subprocess.Popen([*cmd, "--model-name", "tiny", "--port", str(other_port)], env=env)
+    try:
+        other_url = f"http://127.0.0.1:{other_port}"
+        _wait_for(lambda: _healthy_server(other_url), 120, "the other server did not start")
+        refused = subprocess.run(
+            [sys.executable, "-m", "laplace_jax.serve.cluster", "--worker-urls", replica, other_url],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert refused.returncode == 2 and "serve different models, refused" in refused.stderr
+    finally:
+        odd.terminate()
+        odd.wait(30)
