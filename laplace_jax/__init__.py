@@ -33,16 +33,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'laplace_jax' has no attribute {name!r}")
 
 
-__all__ = [
-    "ConfigError",
-    "ModelConfig",
-    "abstract_params",
-    "count_params",
-    "decode_step",
-    "forward",
-    "init_params",
-    "init_state",
-    "param_logical_axes",
-    "prefill",
-]
+__all__ = sorted(_LAZY)  # resolved on first use by __getattr__
 __version__ = "0.1.0"
