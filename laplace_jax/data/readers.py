@@ -132,8 +132,8 @@ def _has_magic(path: str) -> bool:
 
 
 def expand_inputs(items: list[str]) -> list[str]:
-    """Every input file as a full path or URL, sorted: files, directories (all files under them),
-    globs, and fsspec URLs (s3://, gs://, hf://datasets/...) of any of these."""
+    """Every input file as a full path or URL, sorted: files, directories (the files under them,
+    but names starting with '.' or '_'), globs, and fsspec URLs (s3://, gs://, hf://datasets/...)."""
     found: list[str] = []
     for item in items:
         fs, path = fsspec.core.url_to_fs(item)
@@ -141,8 +141,8 @@ def expand_inputs(items: list[str]) -> list[str]:
             paths = sorted(fs.glob(path))
             if not paths:
                 raise DataError(f"--input {item!r} matches no file")
-        elif fs.isdir(path):
-            paths = sorted(fs.find(path))
+        elif fs.isdir(path):  # every file under it but hidden and marker files (.crc, _SUCCESS)
+            paths = sorted(p for p in fs.find(path) if not p.rsplit("/", 1)[-1].startswith((".", "_")))
             if not paths:
                 raise DataError(f"--input {item!r} is an empty directory")
         elif fs.isfile(path):
