@@ -22,7 +22,7 @@ CFG = dict(train=dict(steps=12, ckpt_every=4))
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """An uninterrupted 12-step run, and a run stopped at step 8 (checkpoints 1, 4, 8) to damage."""
+    """An uninterrupted 12-step run, and a run stopped at step 8 (checkpoints 4, 8) to damage."""
     root = tmp_path_factory.mktemp("runs")
     straight = run(micro_config(**CFG), str(root / "straight"), devices=jax.devices()[:1], log=lambda *_: None)
     run(micro_config(**CFG), str(root / "base"), max_steps=8, devices=jax.devices()[:1], log=lambda *_: None)
@@ -83,11 +83,11 @@ def test_with_no_intact_checkpoint_the_run_stops_instead_of_starting_afresh(runs
     _, base = runs
     work = tmp_path / "w"
     shutil.copytree(base, work)
-    for step in ("1", "4", "8"):
+    for step in ("4", "8"):
         _flip_bit(_data_files(work / "checkpoints" / step)[-1])
     with pytest.raises(CheckpointError, match="no intact checkpoint"):
         run(micro_config(**CFG), str(work), devices=jax.devices()[:1], log=lambda *_: None)
-    assert sorted(os.listdir(work / "checkpoints")) == ["1.corrupt", "4.corrupt", "8.corrupt"]
+    assert sorted(os.listdir(work / "checkpoints")) == ["4.corrupt", "8.corrupt"]
     assert not (work / "metrics.jsonl").read_text().count('"step": 9')  # nothing trained past them
 
 
@@ -97,7 +97,7 @@ def test_loaders_name_the_damaged_step_and_the_flag(runs, tmp_path):
     shutil.copytree(base, work)
     _zero_64(_data_files(work / "checkpoints" / "8")[-1])
     before = sorted(p for p in work.rglob("*"))
-    with pytest.raises(CheckpointError, match=r"step 8 .* is damaged .*--step N \(step=N\) \(other steps: 4, 1\)"):
+    with pytest.raises(CheckpointError, match=r"step 8 .* is damaged .*--step N \(step=N\) \(other steps: 4\)"):
         load_trained(str(work))
     _, _, params = load_trained(str(work), step=4)
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(params))
