@@ -7,10 +7,11 @@
 The pipeline is datatrove's: readers over the input files (split over ``--tasks`` tasks, file i to
 task i % tasks), then a step that tokenizes batches of documents with the Rust tokenizer and
 writes its task's shard. ``--executor local`` runs the tasks here, ``--workers`` at a time;
-``slurm`` and ``ray`` run them on a cluster. A second, one-task job writes the manifest once every
-task has finished. A rerun of the same command skips finished tasks (datatrove's completion
-records in DIR/.prepare) and redoes the others from scratch, so a killed run ends, when rerun,
-with the same manifest and bytes as one that was never interrupted.
+``slurm`` and ``ray`` run them on a cluster. The manifest is written once every task has finished
+(by the command itself, or on Slurm by a one-task job that depends on the tasks). A rerun of
+the same command skips finished tasks (datatrove's completion records in DIR/.prepare) and
+redoes the others from scratch, so a killed run ends, when rerun, with the same manifest and
+bytes as one that was never interrupted.
 
 A document goes to the validation split when a seeded hash of its text falls below
 ``--val_fraction``: the split does not depend on the task count or the order of the files. Each
@@ -114,7 +115,7 @@ def collect_manifest(out: str, tasks: int, header: dict[str, Any]) -> dict[str, 
 
 
 class WriteManifest(PipelineStep):
-    """The one-task job after the tokenizing tasks: writes the manifest (``collect_manifest``)."""
+    """The one-task Slurm job after the tokenizing tasks: writes the manifest (``collect_manifest``)."""
 
     name = "📜 manifest"
     type = "💽 - WRITER"
@@ -152,25 +153,29 @@ def _check_first_files(files: list[str], field: str) -> None:
             break
 
 
-def _executors(kind: str, pipeline: list, manifest: list, tasks: int, workers: int, logs: str, cluster: dict):
-    """(tasks executor, manifest executor): datatrove's, the manifest job depending on the tasks."""
+def _run(kind: str, pipeline: list, out: str, tasks: int, workers: int, header: dict, cluster: dict) -> bool:
+    """Run the tasks on datatrove's ``kind`` executor; True when they ran here (local, Ray: the
+    caller writes the manifest), False when Slurm took them and a dependent one-task job will."""
+    logs = join(kvstore_url(out).removeprefix("file://"), ".prepare", "tasks")
     if kind == "local":
-        from datatrove.executor import LocalPipelineExecutor as Local
+        from datatrove.executor import LocalPipelineExecutor
 
-        main = Local(pipeline, tasks=tasks, workers=workers, logging_dir=join(logs, "tasks"))
-        return main, Local(manifest, tasks=1, logging_dir=join(logs, "manifest"), depends=main)
+        LocalPipelineExecutor(pipeline, tasks=tasks, workers=workers, logging_dir=logs).run()
+        return True
     if kind == "ray":
         import ray
-        from datatrove.executor import RayPipelineExecutor as Ray
+        from datatrove.executor import RayPipelineExecutor
 
         ray.init(address=cluster.get("ray_address") or None, ignore_reinit_error=True, log_to_driver=False)
-        main = Ray(pipeline, tasks=tasks, workers=workers, logging_dir=join(logs, "tasks"))
-        return main, Ray(manifest, tasks=1, logging_dir=join(logs, "manifest"), depends=main)
+        RayPipelineExecutor(pipeline, tasks=tasks, workers=workers, logging_dir=logs).run()
+        return True
     from datatrove.executor import SlurmPipelineExecutor as Slurm
 
     opts = {"time": cluster["slurm_time"], "partition": cluster["slurm_partition"], "cpus_per_task": 1}
-    main = Slurm(pipeline, tasks=tasks, workers=workers, logging_dir=join(logs, "tasks"), job_name="prepare", **opts)
-    return main, Slurm(manifest, tasks=1, logging_dir=join(logs, "manifest"), job_name="manifest", depends=main, **opts)
+    main = Slurm(pipeline, tasks=tasks, workers=workers, logging_dir=logs, job_name="prepare", **opts)
+    manifest = [WriteManifest(out, tasks, header)]
+    Slurm(manifest, tasks=1, logging_dir=logs + "-manifest", job_name="manifest", depends=main, **opts).run()
+    return False
 
 
 def prepare(
@@ -214,16 +219,11 @@ def prepare(
     }
     _settings(header, out)
     pipeline = [*readers_for(files, field), TokenizeToShard(out, tok.spec, tok.eos_id, val_fraction, seed)]
-    logs = kvstore_url(out).removeprefix("file://") + ".prepare"
-    manifest_step = [WriteManifest(out, tasks, header)]
-    main, last = _executors(executor, pipeline, manifest_step, tasks, workers, logs, cluster or {})
-    if executor == "slurm":  # submitted: the manifest job runs after the tasks, on the cluster
-        last.run()
-        return None
-    main.run()
-    collect_manifest(out, tasks, header)  # an empty split is refused here, in one line
-    last.run()
-    return read_json(join(kvstore_url(out), "manifest.json"))
+    if not _run(executor, pipeline, out, tasks, workers, header, cluster or {}):
+        return None  # submitted: the manifest job runs after the tasks, on the cluster
+    manifest = collect_manifest(out, tasks, header)  # an empty split is refused here, in one line
+    write_json(join(kvstore_url(out), "manifest.json"), manifest)
+    return manifest
 
 
 def _file_sha256(spec: str) -> str | None:

@@ -166,9 +166,9 @@ class VllmNames:
         mirrored = (m.running, m.waiting, m.prompt_tokens, m.generation_tokens, m.finished)
         for metric in (*mirrored, m.ttft, m.itl, m.e2e, m.queue):
             yield from self._renamed(metric)
-        used = sum(s.value for f in m.device_slots_used.collect() for s in f.samples)
+        per_device_used = [s.value for f in m.device_slots_used.collect() for s in f.samples]
         per_device = next(s.value for f in m.device_slots_total.collect() for s in f.samples)
-        devices = sum(1 for f in m.device_slots_used.collect() for _ in f.samples)
+        used, devices = sum(per_device_used), len(per_device_used)
         usage = used / (per_device * devices) if per_device and devices else 0.0
         yield self._gauge("vllm:gpu_cache_usage_perc", "Share of decode slots in use (1 = all)", usage)
         yield self._gauge("vllm:kv_cache_usage_perc", "Share of decode slots in use (1 = all)", usage)
