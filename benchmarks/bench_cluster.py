@@ -8,7 +8,10 @@ The model is configs/tiny.py's architecture with random weights (the byte tokeni
 server" is serve.py on 2 CPU devices with 4 slots each; "router + 2 replicas" is
 ``python -m laplace_jax.serve.cluster --replicas 2`` with 1 device and 4 slots each, so both have 8
 slots on the same 2 cores. Load comes from ``python -m laplace_jax.serve.bench --text`` (text
-prompts: the router's cache_aware policy matches prefixes of the request text).
+prompts: the router's cache_aware policy matches prefixes of the request text) and, with
+``--guidellm PATH`` (its executable, in an environment of its own: it brings its own torch), from
+guidellm unmodified: 8 concurrent streams of synthetic chat requests, its token counts from the
+byte tokenizer exported as a Hugging Face tokenizer.
 """
 
 from __future__ import annotations
@@ -105,6 +108,46 @@ def measure(url: str, servers: list[str], workload: str, n: int, rate: float) ->
     }
 
 
+GUIDELLM = {"streams": 8, "requests": 64, "prompt_tokens": 512, "output_tokens": 32}
+
+
+def guidellm(exe: str, url: str, tmp: str, name: str) -> dict:
+    """guidellm's own run against ``url`` (``GUIDELLM``): its request totals and latencies."""
+    out = f"{tmp}/guidellm_{name}.json"
+    g = GUIDELLM
+    cmd = [exe, "run", "--backend", f"kind=openai_http,target={url},model=tiny"]
+    cmd += ["--profile", f"kind=concurrent,streams={g['streams']}"]
+    cmd += ["--constraint", f"kind=max_requests,count={g['requests']}"]
+    cmd += ["--data", f"kind=synthetic_text,prompt_tokens={g['prompt_tokens']},output_tokens={g['output_tokens']}"]
+    cmd += ["--tokenizer", f"kind=huggingface_auto,model={tmp}/hf_tokenizer", "--output", f"kind=json,path={out}"]
+    cmd += ["--disable-console"]
+    subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        report = json.load(f)
+    m = report["benchmarks"][0]["metrics"]
+    ttft = m["time_to_first_token_ms"]["successful"]
+    return {
+        "guidellm_version": report["metadata"]["guidellm_version"],
+        **g,
+        "requests_by_outcome": {k: m["request_totals"][k] for k in ("successful", "errored", "incomplete")},
+        "request_throughput": m["requests_per_second"]["successful"]["mean"],
+        "output_throughput": m["output_tokens_per_second"]["successful"]["mean"],
+        "ttft_p50_s": ttft["percentiles"]["p50"] / 1e3,
+        "ttft_p99_s": ttft["percentiles"]["p99"] / 1e3,
+    }
+
+
+def hf_tokenizer(path: str) -> None:
+    """The byte tokenizer as a Hugging Face tokenizer directory (what guidellm loads)."""
+    from laplace_jax.hf_files import END_TOKEN, byte_tokenizer_json
+
+    os.makedirs(path, exist_ok=True)
+    byte_tokenizer_json(os.path.join(path, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": END_TOKEN, "model_max_length": 2048}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+
+
 def start(cmd: list[str], env: dict, log: str) -> subprocess.Popen:
     with open(log, "wb") as f:
         return subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -115,7 +158,7 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(120)
 
 
-def run_setup(name: str, model: str, tmp: str, n: int, rate: float) -> dict:
+def run_setup(name: str, model: str, tmp: str, n: int, rate: float, guidellm_exe: str | None) -> dict:
     serve = ["--checkpoint", model, "--tokenizer", "byte", "--model-name", "tiny", "--max-num-seqs", "4"]
     serve += ["--max-model-len", "2048"]
     if name == "one_server":
@@ -130,7 +173,8 @@ def run_setup(name: str, model: str, tmp: str, n: int, rate: float) -> dict:
         wait(url + "/v1/models")
         servers = [f"http://127.0.0.1:{PORT + i}" for i in (1, 2)]
     try:
-        return {w: measure(url, servers, w, n, rate) for w in WORKLOADS}
+        res = {w: measure(url, servers, w, n, rate) for w in WORKLOADS}
+        return {**res, "guidellm": guidellm(guidellm_exe, url, tmp, name)} if guidellm_exe else res
     finally:
         stop(proc)
 
@@ -181,11 +225,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--request-rate", type=float, default=8.0)
+    ap.add_argument("--guidellm", help="guidellm's executable: also run its benchmark against each setup")
     a = ap.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="bench_cluster_")
     model = f"{tmp}/tiny"
     make_model(model)
-    res = {"setups": {s: run_setup(s, model, tmp, a.num_prompts, a.request_rate) for s in ("one_server", "router")}}
+    if a.guidellm:
+        hf_tokenizer(f"{tmp}/hf_tokenizer")
+    setups = ("one_server", "router")
+    res = {"setups": {s: run_setup(s, model, tmp, a.num_prompts, a.request_rate, a.guidellm) for s in setups}}
     one, routed = res["setups"]["one_server"]["prefix_heavy"], res["setups"]["router"]["prefix_heavy"]
     res["prefix_hit_rate_router_over_one"] = routed["prefix_hit_rate"] / one["prefix_hit_rate"]
     res["health_under_burst"] = health_under_burst(model, tmp)

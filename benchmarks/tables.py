@@ -399,17 +399,24 @@ def _cluster(r: dict) -> list[str]:
     rows = []
     for setup, workloads in r["setups"].items():
         for workload, m in workloads.items():
+            if workload == "guidellm":
+                n = m["requests_by_outcome"]
+                ok, served, hits, spread = n["successful"], sum(n.values()), "", ""
+                workload = f"guidellm {m['guidellm_version']}, {m['streams']} streams"
+            else:
+                ok, served = m["completed"], m["completed"] + m["failed"]
+                hits, spread = f"{m['prefix_hit_rate']:.0%}", " / ".join(f"{n:.0f}" for n in m["finished_per_server"])
             rows.append(
                 [
                     labels[setup],
                     workload.replace("_", "-"),
-                    f"{m['completed']}/{m['completed'] + m['failed']}",
+                    f"{ok}/{served}",
                     f"{m['request_throughput']:.2f}",
                     f"{m['output_throughput']:.0f}",
                     _ms(m["ttft_p50_s"]),
                     _ms(m["ttft_p99_s"]),
-                    f"{m['prefix_hit_rate']:.0%}",
-                    " / ".join(f"{n:.0f}" for n in m["finished_per_server"]),
+                    hits,
+                    spread,
                 ]
             )
     head = ["setup", "workload", "ok", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "prefix hits", "per server"]

@@ -144,6 +144,7 @@ def test_replicas_behind_sglang_router(tmp_path):
         _kill_one_under_load(router, replicas[0], port + 1)
         _wait_for(lambda: _healthy(router).get(replicas[0]) is True, 240, "the restarted replica did not rejoin")
 
+        _fronts_servers_started_elsewhere(tmp_path, replicas)
         _another_model_is_refused(tmp_path, replicas[1])
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -199,6 +200,30 @@ def _kill_one_under_load(router: str, victim_url: str, victim_port: int) -> None
     assert all(killed - 1 < t < killed + seen for t, _, _ in failed), failed  # only those caught by the kill
 
 
+def _fronts_servers_started_elsewhere(tmp_path, replicas: list[str]) -> None:
+    """The across-hosts launch: ``--worker-urls`` puts a second router over servers the launcher did not
+    start (addressed as two hosts would be); requests flow, and stopping it leaves those servers up."""
+    port = portpicker.pick_unused_port()
+    urls = [replicas[0].replace("127.0.0.1", "localhost"), replicas[1]]
+    log = open(tmp_path / "hosts.log", "wb")  # noqa: SIM115 (the launcher writes it until the end)
+    proc = _launch(["--worker-urls", *urls, "--port", str(port), "--log-dir", str(tmp_path / "hosts")], log)
+    try:
+        router = f"http://127.0.0.1:{port}"
+        _wait_for(lambda: len(_healthy(router)) == 2 or proc.poll() is not None, 120, "the router did not start")
+        client = openai.OpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
+        for i in range(4):
+            out = client.completions.create(
+                model="tiny", prompt=f"host {i}", max_tokens=3, extra_body={"ignore_eos": True}
+            )
+            assert out.usage.completion_tokens == 3
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+        log.close()
+    assert "stopped 1 process(es)" in (tmp_path / "hosts.log").read_text()  # the router only
+    assert all(_healthy_server(u) for u in replicas)
+
+
 def _another_model_is_refused(tmp_path, replica: str) -> None:
     """A server of other weights under the same name, fronted with ``replica``: the launcher refuses."""
     other = _model_dir(tmp_path / "other", 1)
@@ -210,7 +235,8 @@ def _another_model_is_refused(tmp_path, replica: str) -> None:
         other_url = f"http://127.0.0.1:{other_port}"
         _wait_for(lambda: _healthy_server(other_url), 120, "the other server did not start")
         refused = subprocess.run(
-            [sys.executable, "-m", "laplace_jax.serve.cluster", "--worker-urls", replica, other_url],
+            [sys.executable, "-m", "laplace_jax.serve.cluster", "--worker-urls", replica, other_url,
+             "--log-dir", str(tmp_path / "refused")],
             capture_output=True, text=True, env=env, timeout=120,
         )  # fmt: skip
         assert refused.returncode == 2 and "serve different models, refused" in refused.stderr
