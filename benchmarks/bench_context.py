@@ -107,7 +107,6 @@ def kernel_row(topology: str, rows: int = 2, slice_len: int = 4096) -> dict:
 
     from laplace_jax.hlo_stats import collectives_by_source
     from laplace_jax.ops.gla import chunk_gla, context_gla
-    from laplace_jax.platform import compiling_for
     from laplace_jax.tpu import report, tpu_devices
 
     chip, devices = tpu_devices(topology)
@@ -128,10 +127,9 @@ def kernel_row(topology: str, rows: int = 2, slice_len: int = 4096) -> dict:
         mesh=mesh, in_specs=(seq,) * 4, out_specs=seq, check_vma=False,
     )  # fmt: skip
     one = Mesh(np.asarray(devices[:1]), ("x",))
-    with compiling_for("tpu"):
-        cp = jax.jit(grad_of(split)).lower(*shapes(n * slice_len, NamedSharding(mesh, seq))).compile()
-        alone = jax.jit(grad_of(lambda *a: chunk_gla(*a, chunk_size=128)[0]))
-        alone = alone.lower(*shapes(slice_len, NamedSharding(one, P()))).compile()
+    cp = jax.jit(grad_of(split)).lower(*shapes(n * slice_len, NamedSharding(mesh, seq))).compile()
+    alone = jax.jit(grad_of(lambda *a: chunk_gla(*a, chunk_size=128)[0]))
+    alone = alone.lower(*shapes(slice_len, NamedSharding(one, P()))).compile()
     a, b = report(cp, chip, "context_gla"), report(alone, chip, "chunk_gla")
     return {
         "name": f"kernel fwd + bwd, {n} slices of {rows} x {slice_len} tokens, H{H} K{K} V{V} bf16",

@@ -431,6 +431,42 @@ def _cluster(r: dict) -> list[str]:
     ]
 
 
+def _auto_tpu(kernel: dict, r: dict) -> list[str]:
+    rows = []
+    for group, res in (("kernel", kernel), ("decode", r), ("train", r)):
+        for row in res["rows"].get(group, []):
+            program = row["program"].split(" chunk ")[0] + (
+                ", " + row["program"].split(", ")[-1] if group == "kernel" else ""
+            )
+            if group == "train":
+                program = f"{row['config'].removeprefix('configs/')} train step ({row['topology']})"
+            mfu = f"{100 * row['mfu']:.1f}%" if "mfu" in row else ""
+            share = f"{100 * row['floor_share']:.1f}%" if "floor_share" in row else ""
+            rows.append(
+                [
+                    program.replace("gla(impl=auto)", "gla").replace("mosaic_gla", "gla").replace("chunk_gla", "gla"),
+                    row["chip"],
+                    f"`{row['attn_impl']}`",
+                    ", ".join(k.replace(" (Mosaic)", "") for k in row["gla_kernels"]),
+                    _ms(row["estimate_s"]),
+                    f"{row['estimate_over_limit']:.1f}x",
+                    mfu or share,
+                    _gib(row["memory_total"]),
+                ]
+            )
+    head = [
+        "program",
+        "TPU",
+        "attn_impl",
+        "GLA kernels in the compiled HLO",
+        "estimate",
+        "/ limit",
+        "MFU or floor share",
+        "memory",
+    ]
+    return [*_grid(head, rows), "", "Every time is the TPU compiler's estimate (its cost model), never a measurement."]
+
+
 def _tests_cpu(r: dict) -> list[str]:
     total = f"{r['passed']} passed, {r['skipped']} skipped, {r['failed']} failed in {r['wall_s']:,.0f} s"
     rows = [["the whole suite (2 CPU cores, file order)", total]]
@@ -1094,6 +1130,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "tests_cpu": (("tests_cpu.json",), _tests_cpu),
     "prepare": (("prepare_cpu.json",), _prepare),
     "cluster": (("cluster_cpu.json",), _cluster),
+    "auto_tpu": (("auto_tpu_kernel.json", "auto_tpu.json"), _auto_tpu),
     "tolerances": (
         ("numerics_kernels.json", "decay_sweep.json", "numerics_recall_1x.json", "numerics_recall_1x_exact.json"),
         _tolerances,

@@ -235,7 +235,8 @@ class ModelConfig(Block):
     kernel; attn_impl: "chunk" (XLA chunk kernel, every backend), "pallas" (Pallas/Triton kernel:
     GPU, interpreted on CPU), "mosaic" (Pallas TPU kernels: TPU, interpreted on CPU; in decode also
     the GLA and short-conv step kernels where they apply), "recurrent"
-    (token scan, the oracle) or "auto" ("pallas" on GPU, "chunk" elsewhere); dtype: compute dtype
+    (token scan, the oracle) or "auto" (per compile target: "mosaic" on TPU, "pallas" on GPU, "chunk"
+    on CPU and Neuron, or "chunk" where the faster kernel does not take chunk_size); dtype: compute dtype
     (params stay float32, logits are float32); remat: what each
     layer keeps for the backward: "none" (everything), "full" (only its input), "save_dots"
     (matmul outputs), "save_gla" (the GLA kernel's inputs and chunk states). True / False are
@@ -261,7 +262,7 @@ class ModelConfig(Block):
     tie_embeddings: bool = False
     init_std: float = 0.02
     chunk_size: int = 128
-    attn_impl: str = choice("chunk", IMPLS)
+    attn_impl: str = choice("auto", IMPLS)
     dtype: str = choice("float32", tuple(DTYPES))
     remat: str = choice("none", REMAT)
     scan_layers: bool = True
@@ -283,7 +284,7 @@ class ModelConfig(Block):
     def check(self) -> None:
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "conv_size", "gate_low_rank_dim", "chunk_size")
         _positive(self, "model", positive)
-        kernel = {"auto": "pallas", "recurrent": None}.get(self.attn_impl, self.attn_impl)  # auto may run pallas
+        kernel = {"auto": "chunk", "recurrent": None}.get(self.attn_impl, self.attn_impl)  # auto falls back to chunk
         if kernel is not None and (problem := chunk_size_problem(kernel, self.chunk_size)) is not None:
             raise ConfigError(f"model.attn_impl={self.attn_impl!r}: {problem}")
         if self.n_heads % self.kv_heads:

@@ -16,6 +16,14 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from laplace_jax.ops.gla.limits import (
+    MOSAIC_DECODE_KERNELS,
+    MOSAIC_KERNELS,
+    XLA_CONV_SCOPE,
+    XLA_SCORES_SCOPE,
+    XLA_STEP_SCOPE,
+)
+
 _BYTES = {
     **{"f64": 8, "s64": 8, "f32": 4, "s32": 4, "u32": 4},
     **{"bf16": 2, "f16": 2, "u16": 2, "s16": 2, "s8": 1, "u8": 1, "pred": 1},
@@ -390,3 +398,18 @@ def collectives_by_source(hlo: str) -> dict[str, dict[str, dict[str, float]]]:
                     v["ops"] += factor
                     v["wire"] += factor * shape_bytes(lhs) * RING[kind](group_size(line, devices))
     return out
+
+
+def gla_kernels(hlo: str) -> list[str]:
+    """The GLA kernels a compiled program runs, read from its HLO text: the Mosaic kernels by their
+    names, a Pallas GPU kernel by its Triton call, the XLA kernels by their named scopes (the chunk
+    kernel with its layout, the decode and conv steps)."""
+    found = [f"{name} (Mosaic)" for name in (*MOSAIC_KERNELS, *MOSAIC_DECODE_KERNELS) if name in hlo]
+    if "xla.gpu.triton" in hlo or "__triton" in hlo:
+        found.append("Pallas GPU kernel (Triton)")
+    layouts = [lay for lay in ("full", "blocks") if XLA_SCORES_SCOPE.format(layout=lay) in hlo]
+    found += [f"XLA chunk kernel ({lay} layout)" for lay in layouts]
+    found += [
+        label for scope, label in ((XLA_STEP_SCOPE, "XLA GLA step"), (XLA_CONV_SCOPE, "XLA conv step")) if scope in hlo
+    ]
+    return found

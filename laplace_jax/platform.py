@@ -46,23 +46,52 @@ def on_neuron() -> bool:
 
 
 SYSTOLIC = ("tpu", "neuron")  # compilers for 128 x 128 matrix units: kernels keep 128-wide layouts there
-_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("compile_target", default=None)
+GPUS = ("cuda", "rocm")  # the platform names a program is lowered for on a GPU
 
 
-def compile_target() -> str:
-    """The platform programs traced now are built for: JAX's default backend, unless a deviceless
-    compile for another one is under way (``compiling_for``, used by the TPU tools)."""
-    return _TARGET.get() or jax.default_backend()
+_ONLY: contextvars.ContextVar[str | None] = contextvars.ContextVar("only_platform", default=None)
+
+
+def per_platform(*args, default: Callable, **branches: Callable):
+    """``branches[p](*args)`` in a program compiled for platform ``p`` ("tpu", "cuda", "rocm",
+    "neuron", "cpu"), ``default(*args)`` for any other: the choice follows the compile target
+    (``jax.lax.platform_dependent``: JAX lowers only the branch of the platform it compiles for), so a
+    program AOT-compiled for a TPU from a CPU host (``jax.jit(f).lower`` on TPU devices, or
+    ``.trace(...).lower(lowering_platforms=("tpu",))``) gets the TPU branch. Every branch is traced;
+    all must return the same shapes. On a Neuron host, inside ``only_for``, or called eagerly (outside
+    any trace: it runs now, where its arrays are), the one branch is called directly: no conditional
+    reaches the program (Neuron's compiler takes no ``lax.cond``)."""
+    only = _ONLY.get() or ("neuron" if jax.default_backend() == "neuron" else None) or _running_on(args)
+    if only is not None:
+        return branches.get(only, default)(*args)
+    branches = {p: fn for p, fn in branches.items() if fn is not default}
+    if not branches:
+        return default(*args)
+    return jax.lax.platform_dependent(*args, default=default, **branches)
+
+
+def _running_on(args) -> str | None:
+    """Where a call outside any trace runs now: the platform of its arrays' device (as lowering
+    names it), or None under a trace (the compile target is not known until lowering)."""
+    leaves = jax.tree.leaves(args)
+    if not leaves or any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves):
+        return None
+    device = next(iter(leaves[0].devices()))
+    if device.platform != "gpu":
+        return device.platform
+    return "rocm" if "rocm" in getattr(device.client, "platform_version", "").lower() else "cuda"
 
 
 @contextlib.contextmanager
-def compiling_for(platform_name: str) -> Iterator[None]:
-    """Trace programs for ``platform_name`` (e.g. "tpu" from a CPU machine) inside the block."""
-    token = _TARGET.set(platform_name)
+def only_for(platform_name: str) -> Iterator[None]:
+    """Trace programs that will only ever compile for ``platform_name``: ``per_platform`` calls its
+    branch directly (``tools/neuron_check`` traces what a Neuron host traces this way). JAX caches
+    a function's trace without this context: use it on functions not traced before."""
+    token = _ONLY.set(platform_name)
     try:
         yield
     finally:
-        _TARGET.reset(token)
+        _ONLY.reset(token)
 
 
 # Typed-key implementations a config or ``serve.py --prng-impl`` may name; "auto" picks per backend.

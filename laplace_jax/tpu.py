@@ -37,7 +37,7 @@ from collections import defaultdict
 from typing import Any
 
 from laplace_jax.errors import UserError
-from laplace_jax.hlo_stats import Module, arrays, loops, memory_report, shape_bytes
+from laplace_jax.hlo_stats import Module, arrays, gla_kernels, loops, memory_report, shape_bytes
 from laplace_jax.ops.gla.limits import MOSAIC_CONV_KERNEL, MOSAIC_DECODE_KERNELS, MOSAIC_KERNELS, MOSAIC_STEP_KERNEL
 
 LABEL = "TPU compiler estimate (its cost model's estimated_cycles), not a measurement"
@@ -357,11 +357,13 @@ def limit(chip: Chip, *, flops: float = 0.0, bytes_: float = 0.0) -> dict[str, A
 def report(compiled: Any, chip: Chip, what: str, *, flops: float = 0.0, bytes_: float = 0.0) -> dict[str, Any]:
     """Everything one compiled TPU program tells: memory per chip, the compiler's estimated time
     and its breakdown, a hand-counted limit (``flops``, ``bytes_`` per chip) and the ratio."""
-    est = estimate(compiled.as_text(), chip)
+    hlo = compiled.as_text()
+    est = estimate(hlo, chip)
     lim = limit(chip, flops=flops, bytes_=bytes_)
     return {
         "program": what,
         "chip": chip.name,
+        "gla_kernels": gla_kernels(hlo),
         "chip_calibrated": chip.calibrated,
         "memory": memory(compiled, chip),
         "estimate": est,
@@ -389,6 +391,8 @@ def format_report(rep: dict[str, Any], top: int = 8) -> str:
         f"{_gib(mem['outputs'])}, {_gib(mem['aliased'])} aliased){'' if mem['fits'] else '  DOES NOT FIT'}",
         f"  estimated time     {_ms(est['seconds'])}  [{est['label']}]",
     ]
+    if rep.get("gla_kernels"):
+        lines.append(f"  GLA kernels        {', '.join(rep['gla_kernels'])} (read from the compiled program)")
     alike: dict[tuple[str, str, str], float] = defaultdict(float)  # identical calls (one per layer) on one line
     for m in est["mosaic"]:
         alike[m["kernel"], _ms(m["schedule_s"]), _ms(m["dma_floor_s"])] += m["calls"]

@@ -237,6 +237,8 @@ def test_train_plan_for_a_topology_prints_the_estimate_and_the_run(tmp_path):
     text = out.stdout
     for needle in ("train step on TPU v5e", "not a measurement", "MFU", "chip-hours", "at $1.2/chip-hour"):
         assert needle in text, needle
+    # the tiny config's 64-token chunks: model.attn_impl=auto compiles the XLA kernel in the TPU's layout
+    assert "GLA kernels        XLA chunk kernel (full layout) (read from the compiled program)" in text
     rep = json.loads(subprocess.run([*cmd, "--json"], capture_output=True, text=True, env=ENV, timeout=600).stdout)
     run = rep["tpu_run"]
     assert rep["devices"] == 4 and rep["mesh"] == {"data": 1, "fsdp": 4}
@@ -288,8 +290,8 @@ def test_memory_report_reads_the_tpu_buffer_assignment():
     assert rep["limit"]["bound"] == "memory" and rep["estimate_over_limit"] > 0
 
 
-@pytest.mark.parametrize("heads, gla_kernels", [(8, 2), (2, 0)])
-def test_the_mosaic_decode_step_compiles_in_place_and_is_counted_at_its_dma_floor(heads, gla_kernels):
+@pytest.mark.parametrize("heads, gla_kernels, impl", [(8, 2, "mosaic"), (2, 0, "mosaic"), (8, 2, "auto")])
+def test_the_mosaic_decode_step_compiles_in_place_and_is_counted_at_its_dma_floor(heads, gla_kernels, impl):
     """The decode step with model.attn_impl="mosaic" on v5p, 128 rows, two layers, d_model 512
     (256 q/k and 512 v channels: every conv step is the Mosaic kernel). 8 heads (V = 64, laid out
     batch-minor like the 3B config's 192): per layer a Mosaic GLA step and three conv steps;
@@ -299,7 +301,8 @@ def test_the_mosaic_decode_step_compiles_in_place_and_is_counted_at_its_dma_floo
     or transpose of an array of their shapes, in either layout: the kernels' views are bitcasts
     of the donated buffers). At the 3B layer (256 rows) the compiler's own schedule of the GLA
     step is below its floor: that kernel is bandwidth-bound there (at these toy sizes a
-    schedule's fixed cost can be the larger)."""
+    schedule's fixed cost can be the larger). model.attn_impl="auto" (the default) compiles to the
+    same kernels from a plain ``jax.jit(...).lower`` on TPU devices."""
     from laplace_jax.config import ModelConfig
     from laplace_jax.models.gla_lm import abstract_params, decode_step, init_state
     from laplace_jax.tools.tpu_check import compile_for_tpu
@@ -307,14 +310,17 @@ def test_the_mosaic_decode_step_compiles_in_place_and_is_counted_at_its_dma_floo
 
     chip, devices = tpu_devices("v5p:1x1x1")
     cfg = ModelConfig(vocab_size=256, d_model=512, n_layers=2, n_heads=heads, use_short_conv=True, dtype="bfloat16",
-                      attn_impl="mosaic")  # fmt: skip
+                      attn_impl=impl)  # fmt: skip
     B = 128
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
     state = jax.eval_shape(lambda: init_state(cfg, B))
     step = lambda p, t, s: decode_step(cfg, p, t, s)  # noqa: E731
     compiled = compile_for_tpu(step, (params, jax.ShapeDtypeStruct((B,), jnp.int32), state), devices, donate=(2,))
-    est = report(compiled, chip, "decode")["estimate"]
+    rep = report(compiled, chip, "decode")
+    est = rep["estimate"]
     kernels = sorted(m["kernel"] for m in est["mosaic"])
+    found = ["gla_mosaic_step (Mosaic)"] * bool(gla_kernels) + ["short_conv_mosaic_step (Mosaic)"]
+    assert rep["gla_kernels"] == found + ["XLA GLA step"] * (not gla_kernels), rep["gla_kernels"]
     assert kernels == ["gla_mosaic_step"] * gla_kernels + ["short_conv_mosaic_step"] * 6, kernels
     assert not any("Mosaic" in k for k in est["unestimated"])
     for m in est["mosaic"]:

@@ -75,6 +75,9 @@ def weights_id(path: str, step: int | None) -> str:
 
 
 def _banner(cfg: ServeConfig, path: str, engine, server, weights_dtype: str) -> None:
+    import jax
+
+    from laplace_jax.ops.gla import kernel_for
     from laplace_jax.serve.prefix_cache import ENTRY_OVERHEAD_BYTES
 
     url = f"http://{cfg.host}:{cfg.port}"
@@ -86,6 +89,8 @@ def _banner(cfg: ServeConfig, path: str, engine, server, weights_dtype: str) -> 
         f"  {engine.n_devices} device(s) x {engine.slots_per_device} slots; state per sequence "
         f"{engine.state_bytes:,} B, {engine.state_bytes * engine.slots_per_device:,} B reserved per device"
     )
+    kernel, why = kernel_for(engine.cfg.attn_impl, jax.default_backend(), engine.cfg.chunk_size)
+    print(f"  GLA kernel over prompts: {kernel} ({why}); every kernel compiled is listed when ready")
     buckets = engine.buckets or "exact (compiled on demand)"
     print(f"  decode buckets (per device) {buckets}; prefill chunk {engine.prefill_chunk}")
     if engine.prefix is not None:

@@ -289,7 +289,9 @@ class Engine:
             return
         if on_ready:
             n = len(self.programs.programs(self.buckets or []))
-            on_ready(f"ready: {n} programs compiled in {time.perf_counter() - start:.1f} s")
+            kernels = ", ".join(self.programs.gla_kernels()) or "none found"
+            took = time.perf_counter() - start
+            on_ready(f"ready: {n} programs compiled in {took:.1f} s; GLA kernels in them: {kernels}")
         self.loop()
 
     def step(self) -> StepPlan:

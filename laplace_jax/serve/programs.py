@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from laplace_jax.config import ModelConfig
+from laplace_jax.hlo_stats import gla_kernels
 from laplace_jax.models.gla_lm import init_state, pack_weights
 from laplace_jax.serve.slot_programs import (
     REQUEST_FIELDS,
@@ -86,6 +87,13 @@ class DevicePrograms:
         compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
         self.executables[(name, width)] = compiled
         return compiled
+
+    def gla_kernels(self) -> list[str]:
+        """The GLA kernels the compiled executables run (``hlo_stats.gla_kernels`` of each one's HLO)."""
+        found: dict[str, None] = {}
+        for compiled in self.executables.values():
+            found.update(dict.fromkeys(gla_kernels(compiled.as_text() or "")))
+        return list(found)
 
     def get(self, name: str, width: int):
         return self.executables.get((name, width))

@@ -2,7 +2,9 @@
 
     python -m laplace_jax.tools.neuron_check --config configs/3b.py [--devices 64] [--json]
 
-Traces, from abstract inputs (nothing allocated, nothing compiled), the FSDP train step with
+Traces, as a Neuron host does (``platform.only_for("neuron")``: ``model.attn_impl=auto`` is the XLA
+kernel in the systolic layout, no per-platform branch), from abstract inputs (nothing
+allocated, nothing compiled), the FSDP train step with
 Muon on a fake CPU mesh of ``--devices`` devices, parameter init, forward, prefill, the decode
 step (bf16 weights, as serving places them off CPU) and the serving sampler, all with the PRNG
 implementation Neuron gets ("auto" -> rbg). Every equation of every (nested) jaxpr is checked
@@ -139,12 +141,14 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_num_cpu_devices", a.devices)
     from laplace_jax.config import RunConfig, load_config_file
     from laplace_jax.errors import UserError
+    from laplace_jax.platform import only_for
 
     try:
         config = load_config_file(a.config)
         config.mesh.data, config.mesh.fsdp = 1, -1  # the FSDP step over all --devices
         config = RunConfig.from_mapping(config)
-        found = {name: findings(j, name) for name, j in programs(config, a.prng_impl).items()}
+        with only_for("neuron"):  # what a Neuron host traces: model.attn_impl=auto is the XLA kernel, no branch
+            found = {name: findings(j, name) for name, j in programs(config, a.prng_impl).items()}
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -65,8 +65,6 @@ def compile_for_tpu(fn, args, devices=None, donate=(), free_layouts=False):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from laplace_jax.platform import compiling_for
-
     layouts = {}
     if devices is not None:
         one = NamedSharding(Mesh(np.asarray(devices[:1]), ("x",)), P())
@@ -74,11 +72,10 @@ def compile_for_tpu(fn, args, devices=None, donate=(), free_layouts=False):
         if free_layouts:
             auto = Format(Layout.AUTO, one)
             layouts = {"in_shardings": jax.tree.map(lambda _: auto, tuple(args)), "out_shardings": auto}
-    with compiling_for("tpu"):  # kernels trace their TPU layouts
-        return jax.jit(fn, donate_argnums=donate, **layouts).lower(*args).compile()
+    return jax.jit(fn, donate_argnums=donate, **layouts).lower(*args).compile()
 
 
-KERNEL_LABELS = {"chunk": "chunk_gla", "mosaic": "mosaic_gla"}  # --impl: the GLA kernels that compile for TPU
+KERNEL_LABELS = {"chunk": "chunk_gla", "mosaic": "mosaic_gla", "auto": "gla(impl=auto)"}  # --impl: kernels for TPU
 
 
 def kernel_reports(
@@ -272,8 +269,9 @@ def _parser() -> argparse.ArgumentParser:
         "--impl",
         choices=(*KERNEL_LABELS, "both"),
         default="both",
-        help="--kernel: chunk (XLA), mosaic (Pallas TPU) or both; with --config: the model.attn_impl to compile "
-        "with (mosaic: the Pallas TPU kernels, in decode the GLA and short-conv steps too; both: the config's)",
+        help="--kernel: chunk (XLA), mosaic (Pallas TPU), auto (what model.attn_impl=auto compiles to) or both "
+        "(chunk and mosaic); with --config: the model.attn_impl to compile with (mosaic and auto: the Pallas TPU "
+        "kernels, in decode the GLA and short-conv steps too; both: the config's)",
     )
     ap.add_argument("--max-num-seqs", type=int, default=8, help="--serve: decode slots per chip")
     ap.add_argument("--buckets", default="pow2", help="--serve: decode bucket widths (pow2 or e.g. 1,4,8)")
@@ -296,7 +294,7 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
         raise UserError("say what to compile: --kernel, or --config C with --decode W, --serve or alone (train step)")
     chip, devices = tpu_devices(a.topology)
     if a.kernel:
-        impls = tuple(KERNEL_LABELS) if a.impl == "both" else (a.impl,)
+        impls = ("chunk", "mosaic") if a.impl == "both" else (a.impl,)
         return kernel_reports(chip, devices, a.shape, a.chunk, impls)
     config = load_run_config(a.config)
     if a.impl != "both":

@@ -18,7 +18,7 @@ from typing import Any
 
 from laplace_jax import platform
 from laplace_jax.config import PlanConfig, RunConfig
-from laplace_jax.hlo_stats import collective_bytes, collectives_by_source, memory_report
+from laplace_jax.hlo_stats import collective_bytes, collectives_by_source, gla_kernels, memory_report
 from laplace_jax.optim import payload_dtype
 from laplace_jax.optim.comm_report import muon_comm_report
 from laplace_jax.sharding import CONTEXT, FSDP
@@ -128,6 +128,7 @@ def step_report(config: RunConfig, trainer: Trainer, compiled: Any) -> dict[str,
         "train_step_collectives_by_source": collectives_by_source(hlo),
         "flops_per_token": flops_per_token(trainer.model_cfg, trainer.n_params, trainer.config.data.seq_len),
         "wire_bytes_per_device": wire_bytes(coll),
+        "gla_kernels": gla_kernels(hlo),  # what the compiled step runs, read from its HLO
     }
     if config.opt.optimizer == "muon" and trainer.mesh.shape[FSDP] > 1:
         comm = payload_dtype(config.opt.comm_dtype)
@@ -204,6 +205,7 @@ def format_plan(rep: dict[str, Any]) -> str:
         f"parameters          {rep['params']:,}",
         f"tokens per step     {rep['tokens_per_step']:,}",
         f"total steps         {rep['total_steps']:,} ({rep['total_tokens'] / 1e9:.1f}e9 tokens)",
+        f"GLA kernels         {', '.join(rep['gla_kernels']) or 'none'} (read from the compiled step)",
         *format_collectives(rep),
     ]
     return "\n".join(lines + _format_cost(rep["cost"]))

@@ -17,7 +17,6 @@ import jax
 
 from laplace_jax.config import RunConfig
 from laplace_jax.errors import UserError
-from laplace_jax.platform import compiling_for
 from laplace_jax.tpu import LABEL, format_report, out_of_memory, report, tpu_devices
 from laplace_jax.train.plan import SEED_TOKENS_PER_S, format_collectives, is_seed_model, step_report
 from laplace_jax.train.trainer import Trainer
@@ -72,8 +71,7 @@ def tpu_plan(config: RunConfig, topology: str, usd_per_chip_hour: float = 0.0) -
         need = f"parameters and optimizer state alone take {state / 2**30:.1f} GiB per chip of {chip.hbm_gib:g} GiB HBM"
         raise _does_not_fit(topology, need, "more chips (a larger topology: mesh.fsdp shards the state)")
     try:
-        with compiling_for("tpu"):  # kernels trace their TPU layouts
-            compiled = trainer.compile()
+        compiled = trainer.compile()  # the kernels follow the compile target (platform.per_platform)
     except Exception as e:  # the TPU compiler refuses a program that cannot fit its HBM
         oom = out_of_memory(e)
         if oom is None:

@@ -117,7 +117,7 @@ def test_remat_and_recurrent_impl_give_same_logits():
 @pytest.mark.parametrize("impl", ["pallas", "mosaic"])
 def test_pallas_impls_give_the_same_logits_and_gradients_under_jit(impl):
     """model.attn_impl="pallas" / "mosaic" (interpreted on CPU) against "chunk", through jit and grad;
-    "auto" is "chunk" here."""
+    "auto" compiles to the Pallas kernel for a GPU and to the XLA kernel for this CPU."""
     kw = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1)
     params = init_params(ModelConfig(**kw), jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 40), 0, 61)
@@ -135,7 +135,12 @@ def test_pallas_impls_give_the_same_logits_and_gradients_under_jit(impl):
         jaxpr = jax.make_jaxpr(lambda p: forward(ModelConfig(**kw, attn_impl=impl), p, tokens))(params)
         return "pallas_call" in str(jaxpr)
 
-    assert uses_pallas(impl) and not uses_pallas("auto")  # auto resolved to the XLA kernel on CPU
+    def lowered_auto(platform_name):  # the default, compiled for a GPU and for this CPU
+        fn = jax.jit(lambda p: forward(ModelConfig(**kw, attn_impl="auto"), p, tokens))
+        return fn.trace(params).lower(lowering_platforms=(platform_name,)).as_text()
+
+    assert uses_pallas(impl)
+    assert "xla.gpu.triton" in lowered_auto("cuda") and "triton" not in lowered_auto("cpu")
     with pytest.raises(ConfigError, match="power of two"):
         ModelConfig(**{**kw, "chunk_size": 24}, attn_impl=impl)
 

@@ -66,7 +66,8 @@ def test_the_mosaic_conv_step_keeps_padding_rows_and_agrees_in_bf16(W):
 
 def test_short_conv_step_takes_the_kernel_for_whole_tiles_only():
     """impl="mosaic": the kernel for 128 rows x 128 channels; 3 rows or 96 channels (not whole
-    lane tiles) and every other kernel name take the XLA step; the same cache either way."""
+    lane tiles) and "chunk" take the XLA step; the same cache either way. impl="auto": the kernel
+    in a program compiled for TPU, the XLA step in one compiled for CPU."""
 
     def uses_kernel(B, D, impl):
         x, cache, kernel = _inputs(B, D, 4, seed=B + D)
@@ -77,4 +78,12 @@ def test_short_conv_step_takes_the_kernel_for_whole_tiles_only():
 
     assert uses_kernel(128, 128, "mosaic") and uses_kernel(256, 384, "mosaic")
     assert not uses_kernel(3, 128, "mosaic") and not uses_kernel(128, 96, "mosaic")
-    assert not uses_kernel(128, 128, "chunk") and not uses_kernel(128, 128, "auto")
+    assert not uses_kernel(128, 128, "chunk")
+
+    def lowered(B, D, platform_name):  # "auto" follows the compile target: the kernel only for a TPU
+        x, cache, kernel = _inputs(B, D, 4)
+        fn = jax.jit(lambda *a: short_conv_step(*a, impl="auto")).trace(x, cache, kernel)
+        return fn.lower(lowering_platforms=(platform_name,)).as_text(debug_info=True)
+
+    assert "short_conv_mosaic_step" in lowered(128, 128, "tpu") and "short_conv_step_xla" in lowered(128, 128, "cpu")
+    assert "short_conv_mosaic_step" not in lowered(128, 128, "cpu") + lowered(128, 96, "tpu")

@@ -16,7 +16,6 @@ from laplace_jax.ops.gla import chunk_gla, gla, gla_step, recurrent_gla
 from laplace_jax.ops.gla.naive import SWEEP_DECAYS, decay_sweep_inputs
 from laplace_jax.ops.gla.naive import random_gla_inputs as _inputs
 from laplace_jax.ops.gla.naive import rel_error as _rel
-from laplace_jax.platform import compiling_for
 
 TOL = 5e-6  # max abs error relative to the output scale (max |o_ref|), fp32: 10x the worst measured (5e-7)
 
@@ -30,12 +29,7 @@ def _chunk(kernel: str):
     array gets), "pallas" (GPU), "mosaic" (TPU)."""
     if kernel != "chunk-tpu":
         return functools.partial(gla, impl=kernel)
-
-    def traced_for_tpu(*args, **kw):
-        with compiling_for("tpu"):
-            return gla(*args, impl="chunk", **kw)
-
-    return traced_for_tpu
+    return functools.partial(chunk_gla, layout="full")
 
 
 # every T on the chunk kernel; the interpreted Pallas kernel on the T that exercise a partial
@@ -321,21 +315,51 @@ def test_the_packages_float64_reference_matches_torch_and_its_autograd(decay):
         assert _rel(ours, x.grad.numpy()) < 1e-13, name
 
 
-def test_the_layout_follows_the_compiler_being_traced_for():
-    """ "auto" is the blocks layout for XLA:CPU and the full-width one when tracing for a systolic
-    array (a deviceless TPU compile says so with ``platform.compiling_for``; on a TPU or Neuron
-    device JAX's default backend does); both are the tested, exact kernels above."""
-    from laplace_jax.ops.gla.levels import layout_for
+def _lowered(fn, platform_name: str, *args) -> str:
+    """StableHLO of ``fn``'s gradient lowered for ``platform_name`` from this CPU host, with locations."""
+    grad = jax.grad(lambda *a: fn(*a)[0].astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
+    return jax.jit(grad).trace(*args).lower(lowering_platforms=(platform_name,)).as_text(debug_info=True)
 
-    assert layout_for("auto") == "blocks"
-    with compiling_for("tpu"):
-        assert layout_for("auto") == "full"
-        assert layout_for("blocks") == "blocks"
-    with compiling_for("neuron"):
-        assert layout_for("auto") == "full"
-    assert layout_for("auto") == "blocks"
+
+def test_the_kernel_follows_the_compile_target():
+    """ "auto" picks per compile target, not per the process's backend: lowered from this CPU host
+    for a TPU it is the Mosaic kernel, for a GPU the Triton one, for the CPU the XLA kernel in the
+    blocks layout; the XLA kernel's "auto" layout is the full-width one for a TPU (a systolic
+    array). No context manager: what ``jax.jit(f).lower`` on TPU devices does."""
+    from laplace_jax.ops.gla.dispatch import kernel_for
+
+    q, k, v, g = (x.astype(jnp.bfloat16) if i < 3 else x for i, x in enumerate(_inputs(256, "weak")[:4]))
+    auto = functools.partial(gla, impl="auto", chunk_size=128)
+    kernels = {p: _lowered(auto, p, q, k, v, g) for p in ("tpu", "cuda", "cpu")}
+    assert "gla_mosaic_fwd" in kernels["tpu"] and "gla_mosaic_bwd" in kernels["tpu"]
+    assert "triton" not in kernels["tpu"] and "gla_scores" not in kernels["tpu"]
+    assert "xla.gpu.triton" in kernels["cuda"] and "gla_mosaic" not in kernels["cuda"]
+    assert (
+        "gla_scores_blocks" in kernels["cpu"] and "gla_mosaic" not in kernels["cpu"] and "triton" not in kernels["cpu"]
+    )
+    layouts = {p: _lowered(chunk_gla, p, q, k, v, g) for p in ("tpu", "cpu")}
+    assert "gla_scores_full" in layouts["tpu"] and "gla_scores_bwd_full" in layouts["tpu"]
+    assert "gla_scores_blocks" not in layouts["tpu"] and "gla_scores_full" not in layouts["cpu"]
+    # where the faster kernel does not take the chunk, auto says why and runs the XLA kernel
+    kernel, why = kernel_for("auto", "tpu", 64)
+    assert kernel == "chunk" and "multiple of 128; got 64" in why
+    assert kernel_for("auto", "cuda", 48)[0] == "chunk" and kernel_for("auto", "neuron", 128)[0] == "chunk"
+    assert "gla_mosaic" not in _lowered(functools.partial(gla, impl="auto", chunk_size=64), "tpu", q, k, v, g)
     with pytest.raises(ValueError, match="layout must be one of auto, full, blocks"):
         chunk_gla(*_inputs(16, "weak")[:4], layout="diagonal")
+
+
+def test_a_neuron_host_traces_one_kernel_and_no_conditional():
+    """Neuron's compiler takes no ``lax.cond``: where only one platform will compile the program (a
+    Neuron host; ``platform.only_for``), "auto" is that platform's kernel called directly, with no
+    per-platform branch and no Pallas call left in the program."""
+    from laplace_jax.platform import only_for
+
+    q, k, v, g = _inputs(128, "weak")[:4]
+    everywhere = {e.primitive.name for e in jax.make_jaxpr(lambda *a: gla(*a, impl="auto"))(q, k, v, g).jaxpr.eqns}
+    with only_for("neuron"):  # a new function: traces are cached per function, not per context
+        jaxpr = jax.make_jaxpr(lambda *a: gla(*a, impl="auto"))(q, k, v, g)
+    assert "cond" in everywhere and not {"cond", "pallas_call"} & {e.primitive.name for e in jaxpr.jaxpr.eqns}
 
 
 def _one_step_f64(q, k, v, g, s0, scale):
@@ -390,7 +414,8 @@ def test_the_mosaic_step_kernel_follows_the_torch_recurrence_and_keeps_padding_r
 def test_gla_decode_takes_the_mosaic_kernel_where_the_state_is_batch_minor():
     """impl="mosaic": the kernel for 128 or 256 rows with V = 32, the XLA step for 3 rows (a batch
     that leaves most of each lane tile empty) or V = 128 (the TPU keeps such a state V-minor);
-    every other kernel name: the XLA step. Same numbers either way."""
+    "chunk": the XLA step. Same numbers either way. impl="auto": the kernel in a program compiled
+    for TPU, the XLA step in one compiled for CPU."""
     from laplace_jax.ops.gla import gla_decode
 
     def uses_kernel(B, impl, V=32):
@@ -404,4 +429,12 @@ def test_gla_decode_takes_the_mosaic_kernel_where_the_state_is_batch_minor():
 
     assert uses_kernel(128, "mosaic") and uses_kernel(256, "mosaic")
     assert not uses_kernel(3, "mosaic") and not uses_kernel(128, "mosaic", V=128)
-    assert not uses_kernel(128, "chunk") and not uses_kernel(128, "auto")
+    assert not uses_kernel(128, "chunk")
+
+    def lowered(B, platform_name, V=32):  # "auto" follows the compile target: the kernel only for a TPU
+        q, k, v, g, s0 = _inputs(1, "weak", seed=B, B=B, H=2, K=16, V=V)
+        traced = jax.jit(functools.partial(gla_decode, impl="auto")).trace(q[:, 0], k[:, 0], v[:, 0], g[:, 0], s0)
+        return traced.lower(lowering_platforms=(platform_name,)).as_text(debug_info=True)
+
+    assert "gla_mosaic_step" in lowered(128, "tpu") and "gla_step_xla" in lowered(128, "cpu")
+    assert "gla_mosaic_step" not in lowered(128, "cpu") + lowered(128, "tpu", V=128)

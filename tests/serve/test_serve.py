@@ -376,7 +376,10 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
         assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM once it has drained
         out = proc.stdout.read()
         assert "(float32 compute, float32 weights, exact)" in out
-        assert re.search(r"^ready: \d+ programs compiled in [\d.]+ s \(http://127\.0\.0\.1:\d+\)$", out, re.M), out
+        ready = r"^ready: \d+ programs compiled in [\d.]+ s; GLA kernels in them: (.*) \(http://127\.0\.0\.1:\d+\)$"
+        kernels = re.search(ready, out, re.M).group(1).split(", ")  # read from the compiled HLO
+        assert kernels == ["XLA chunk kernel (blocks layout)", "XLA GLA step", "XLA conv step"], out
+        assert "GLA kernel over prompts: chunk (auto: the XLA kernel on cpu)" in out
         assert re.search(r"^stopped: 1 requests finished, 300 tokens generated \(http://", out, re.M), out
         assert '"POST /v1/completions HTTP/1.1" 200' in out  # the access log
     finally:

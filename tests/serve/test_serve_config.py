@@ -65,6 +65,6 @@ def test_attn_impl_overrides_the_checkpoints_kernels(tmp_path):
 
     model = ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, use_short_conv=True)
     save_model(str(tmp_path / "m"), model, init_params(model, jax.random.key(0)))
-    for flags, want in (([], "chunk"), (["--attn-impl", "recurrent"], "recurrent")):
+    for flags, want in (([], "auto"), (["--attn-impl", "recurrent"], "recurrent")):
         cfg = cli.parse(["--checkpoint", str(tmp_path / "m"), "--tokenizer", "byte", *flags])
         assert cli._load(cfg)[1].attn_impl == want

@@ -226,6 +226,7 @@ def test_3b_plan_compiles_for_64_devices():
     rep = json.loads(proc.stdout)
     assert rep["devices"] == 64 and rep["params"] == 3_029_528_064
     assert rep["tokens_per_step"] == 524_288 and rep["total_steps"] == 190_735
+    assert rep["gla_kernels"] == ["XLA chunk kernel (blocks layout)"]  # model.attn_impl=auto on this CPU host
     mem = rep["memory_per_device"]
     assert 0 < mem["total"] <= rep["device_memory"] == 24 * 2**30
     assert mem["arguments"] < 1 * 2**30  # params + optimizer state sharded 64 ways (~25.5 GB / 64)

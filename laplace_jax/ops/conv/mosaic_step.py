@@ -25,8 +25,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from laplace_jax.ops.conv.step import conv_step
 from laplace_jax.ops.gla.limits import MOSAIC_CONV_KERNEL
-from laplace_jax.ops.gla.mosaic import mosaic_interpret
+from laplace_jax.ops.gla.mosaic import compiled_on_tpu
 from laplace_jax.ops.gla.mosaic_step import LANES, row_block, whole_lane_tiles
+from laplace_jax.platform import per_platform
 
 Array = jax.Array
 f32 = jnp.float32
@@ -115,7 +116,14 @@ def short_conv_step(
     x: Array, cache: Array, kernel: Array, lengths: Array | None = None, *, impl: str = "chunk"
 ) -> tuple[Array, Array]:
     """The conv step with ``model.attn_impl``'s kernels: "mosaic" takes the Mosaic kernel where it
-    runs (``takes``), everything else the XLA step."""
-    if impl == "mosaic" and takes(*x.shape):
-        return mosaic_conv_step(x, cache, kernel, lengths, interpret=mosaic_interpret())
-    return conv_step(x, cache, kernel, lengths)
+    runs (``takes``; interpreted on CPU), "auto" takes it in a program compiled for TPU and the XLA
+    step elsewhere (``platform.per_platform``), everything else the XLA step."""
+    if impl not in ("mosaic", "auto") or not takes(*x.shape):
+        return conv_step(x, cache, kernel, lengths)
+    if impl == "mosaic":
+        return compiled_on_tpu(_mosaic, x, cache, kernel, lengths)
+    return per_platform(x, cache, kernel, lengths, default=conv_step, tpu=functools.partial(_mosaic, interpret=False))
+
+
+def _mosaic(x, cache, kernel, lengths, *, interpret: bool):
+    return mosaic_conv_step(x, cache, kernel, lengths, interpret=interpret)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from laplace_jax.ops.gla.chunk import chunk_gla
 from laplace_jax.ops.gla.context import context_gla
-from laplace_jax.ops.gla.dispatch import gla, gla_decode, resolve
+from laplace_jax.ops.gla.dispatch import gla, gla_decode, kernel_for
 from laplace_jax.ops.gla.limits import IMPLS
 from laplace_jax.ops.gla.mosaic import mosaic_gla
 from laplace_jax.ops.gla.mosaic_step import mosaic_gla_step
@@ -39,10 +39,10 @@ __all__ = [
     "gla",
     "gla_decode",
     "gla_step",
+    "kernel_for",
     "mosaic_gla",
     "mosaic_gla_step",
     "naive_gla",
     "pallas_gla",
     "recurrent_gla",
-    "resolve",
 ]

@@ -66,8 +66,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax.ops.gla.inputs import check_inputs
-from laplace_jax.ops.gla.levels import LAYOUTS, dot, level_matrices, scores, scores_bwd, sums
+from laplace_jax.ops.gla.levels import LAYOUTS, dot, layout_for, level_matrices, scores, scores_bwd, sums
 from laplace_jax.ops.gla.limits import chunk_size_problem
+from laplace_jax.platform import GPUS, SYSTOLIC, per_platform
 
 Array = jax.Array
 
@@ -128,7 +129,7 @@ def _forward(q, k, v, g, s0, scale, C, layout):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def chunk_gla_padded(
-    q: Array, k: Array, v: Array, g: Array, s0: Array, scale: float, C: int, layout: str = "auto"
+    q: Array, k: Array, v: Array, g: Array, s0: Array, scale: float, C: int, layout: str
 ) -> tuple[Array, Array]:
     """GLA over T = N * C tokens (already padded): (o [B, T, H, V], final state [B, H, K, V] fp32)."""
     o, sT, _, _ = _forward(q, k, v, g, s0, scale, C, layout)
@@ -204,8 +205,9 @@ def chunk_gla(
     ``chunk_size``: a multiple of 16 or one of 1, 2, 4, 8. This is the "chunk" kernel of
     ``dispatch.gla``, which also runs the Pallas and the recurrent ones.
     ``layout``: the XLA kernel's intra-chunk layout (``levels.py``): "full" (full-width matmuls per
-    level, for systolic arrays), "blocks" (per-level blocks, least work), or "auto", which picks
-    per compiler when the program is traced ("full" on TPU and Neuron, "blocks" elsewhere).
+    level, for systolic arrays), "blocks" (per-level blocks, least work), or "auto", which follows
+    the compile target ("full" in a program compiled for TPU or Neuron, "blocks" elsewhere:
+    ``platform.per_platform``).
     """
     check_inputs(q, k, v, g, initial_state)
     if layout not in ("auto", *LAYOUTS):
@@ -219,5 +221,14 @@ def chunk_gla(
     pad = (-T) % chunk_size
     if pad:  # state-neutral tail: q = k = v = 0, g = 0
         q, k, v, g = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, g))
-    o, final_state = chunk_gla_padded(q, k, v, g, s0, scale, chunk_size, layout)
+    run = {lay: functools.partial(_padded, scale=scale, C=chunk_size, layout=lay) for lay in LAYOUTS}
+    if layout == "auto":
+        targets = {p: run[layout_for(p)] for p in (*SYSTOLIC, *GPUS)}
+        o, final_state = per_platform(q, k, v, g, s0, default=run["blocks"], **targets)
+    else:
+        o, final_state = run[layout](q, k, v, g, s0)
     return o[:, :T], final_state
+
+
+def _padded(q, k, v, g, s0, *, scale: float, C: int, layout: str) -> tuple[Array, Array]:
+    return chunk_gla_padded(q, k, v, g, s0, scale, C, layout)

@@ -25,7 +25,7 @@ s < t <= mid, so with dq_l, dk_l the level's gradients of q and k,
 each a sum of the pair terms P[r, s] = dA[r, s] A-factor that actually contain g_t (no
 difference of two large sums, unlike reverse-cumsum(q dq - k dk)).
 
-Two layouts of the same sums, chosen per compiler when a program is traced (``layout_for``):
+Two layouts of the same sums, chosen per compile target (``layout_for``):
 - ``full`` (TPU, Neuron: systolic arrays): each level is one full-width [P x K] x [K x P] matmul
   whose rows outside the level's halves are zero, kept where r and s share a block. Every array
   keeps a minor dimension of K or P (128): no 1-, 2- or 4-row tiles, which a 128 x 128 matrix
@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laplace_jax import platform
+from laplace_jax.ops.gla.limits import XLA_SCORES_SCOPE
 
 Array = jax.Array
 f32 = jnp.float32
@@ -226,21 +227,21 @@ def scores_bwd_blocks(q: Array, k: Array, g: Array, dA: Array, scale: float, dty
 
 
 # ----- per compiler ----------------------------------------------------------------------------
-def layout_for(layout: str) -> str:
-    """``layout``, or for "auto" the one the compiler being traced for wants: "full" on systolic
-    arrays (TPU, Neuron: ``platform.SYSTOLIC``), "blocks" elsewhere (fixed when a program is traced)."""
-    if layout != "auto":
-        return layout
-    return "full" if platform.compile_target() in platform.SYSTOLIC else "blocks"
+def layout_for(platform_name: str) -> str:
+    """The layout the compiler for ``platform_name`` wants: "full" on systolic arrays (TPU, Neuron:
+    ``platform.SYSTOLIC``), "blocks" elsewhere (``chunk_gla`` picks per compile target with it)."""
+    return "full" if platform_name in platform.SYSTOLIC else "blocks"
 
 
-def scores(q: Array, k: Array, g: Array, scale: float, dtype, layout: str = "auto") -> Array:
-    """A [..., C, C] fp32 (zero above the diagonal) in ``layout`` (``layout_for``)."""
-    fn = scores_full if layout_for(layout) == "full" else scores_blocks
-    return fn(q, k, g, scale, dtype)
+def scores(q: Array, k: Array, g: Array, scale: float, dtype, layout: str) -> Array:
+    """A [..., C, C] fp32 (zero above the diagonal) in ``layout`` ("full" or "blocks")."""
+    fn = scores_full if layout == "full" else scores_blocks
+    with jax.named_scope(XLA_SCORES_SCOPE.format(layout=layout)):  # what a compiled program ran, by name
+        return fn(q, k, g, scale, dtype)
 
 
-def scores_bwd(q: Array, k: Array, g: Array, dA: Array, scale: float, dtype, layout: str = "auto"):
-    """(dq, dk, dg) of ``scores`` in ``layout`` (``layout_for``)."""
-    fn = scores_bwd_full if layout_for(layout) == "full" else scores_bwd_blocks
-    return fn(q, k, g, dA, scale, dtype)
+def scores_bwd(q: Array, k: Array, g: Array, dA: Array, scale: float, dtype, layout: str):
+    """(dq, dk, dg) of ``scores`` in ``layout`` ("full" or "blocks")."""
+    fn = scores_bwd_full if layout == "full" else scores_bwd_blocks
+    with jax.named_scope(XLA_SCORES_SCOPE.format(layout=f"bwd_{layout}")):
+        return fn(q, k, g, dA, scale, dtype)

@@ -4,12 +4,16 @@ nothing of the package, so the base layer (the config, ``tpu``) may."""
 
 from __future__ import annotations
 
-IMPLS = ("chunk", "pallas", "mosaic", "recurrent", "auto")  # model.attn_impl; "auto": pallas on GPU, chunk elsewhere
+IMPLS = ("chunk", "pallas", "mosaic", "recurrent", "auto")  # model.attn_impl; "auto": dispatch.kernel_for
 BLOCK_KERNELS = {"pallas": "the Pallas GPU kernel", "mosaic": "the Pallas TPU (Mosaic) kernel"}
 MOSAIC_KERNELS = ("gla_mosaic_fwd", "gla_mosaic_bwd")  # the Mosaic kernels' names, as compiled HLO shows them
 MOSAIC_STEP_KERNEL = "gla_mosaic_step"  # the Mosaic decode-step kernels' names
 MOSAIC_CONV_KERNEL = "short_conv_mosaic_step"
 MOSAIC_DECODE_KERNELS = (MOSAIC_STEP_KERNEL, MOSAIC_CONV_KERNEL)  # profiled whole, at each call's own sizes
+# the XLA kernels' named scopes, as compiled HLO's op names show them (hlo_stats.gla_kernels)
+XLA_SCORES_SCOPE = "gla_scores_{layout}"  # the chunk kernel's intra-chunk scores ("full" or "blocks")
+XLA_STEP_SCOPE = "gla_step_xla"
+XLA_CONV_SCOPE = "short_conv_step_xla"
 SUB_BLOCK = 16  # rows of the GLA kernels' exact-decay sub-blocks (the smallest side a Triton dot takes)
 
 

@@ -78,7 +78,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from laplace_jax.ops.gla.levels import level_matrices
 from laplace_jax.ops.gla.limits import MOSAIC_KERNELS, chunk_size_problem
-from laplace_jax.platform import compile_target
+from laplace_jax.platform import per_platform
 
 Array = jax.Array
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -380,13 +380,19 @@ def mosaic_gla(
     return jnp.swapaxes(o[:, :, :T], 1, 2), sT
 
 
-def mosaic_interpret() -> bool:
-    """Whether the Mosaic kernel runs in the Pallas interpreter for the platform being traced
-    for (CPU), is compiled (TPU, a deviceless TPU compile included), or cannot run (raises)."""
-    target = compile_target()
-    if target in ("cpu", "tpu"):
-        return target == "cpu"
-    raise ValueError(
-        f"the Mosaic GLA kernel lowers only on TPU; this backend is {target!r}. "
-        "Use model.attn_impl='chunk' (or 'auto', which picks a kernel for the backend)."
-    )
+def compiled_on_tpu(fn, *args, compiles: bool = True):
+    """``fn(*args, interpret=...)`` for a Mosaic kernel ``fn``: compiled in a program compiled for
+    TPU (a deviceless TPU compile from this host included), run in the Pallas interpreter in one
+    compiled for CPU (``platform.per_platform``). Raises on a backend where it cannot run at all.
+    ``compiles=False`` (shapes the TPU compiler rejects): interpreted on CPU only, and on a TPU
+    ``fn`` says why it does not compile."""
+    backend = jax.default_backend()
+    if backend not in ("cpu", "tpu"):
+        raise ValueError(
+            f"the Mosaic GLA kernels lower only on TPU; this backend is {backend!r}. "
+            "Use model.attn_impl='auto', which picks the kernel for the backend."
+        )
+    interpreted, compiled = (functools.partial(fn, interpret=flag) for flag in (True, False))
+    if not compiles:
+        return (interpreted if backend == "cpu" else compiled)(*args)
+    return per_platform(*args, default=interpreted, tpu=compiled)

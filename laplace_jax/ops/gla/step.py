@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from laplace_jax.ops.gla.limits import XLA_STEP_SCOPE
+
 Array = jax.Array
 
 
@@ -12,7 +14,11 @@ def gla_step(
     q: Array, k: Array, v: Array, g: Array, state: Array, *, scale: float | None = None
 ) -> tuple[Array, Array]:
     """One token. q, k, g: [B, H, K]; v: [B, H, V]; state: [B, H, K, V] fp32 -> (o [B, H, V], state)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    with jax.named_scope(XLA_STEP_SCOPE):  # what a compiled program ran, by name (hlo_stats.gla_kernels)
+        return _step(q, k, v, g, state, q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+def _step(q: Array, k: Array, v: Array, g: Array, state: Array, scale: float) -> tuple[Array, Array]:
     f32 = jnp.float32
     state = jnp.exp(g.astype(f32))[..., None] * state.astype(f32) + (
         k.astype(f32)[..., :, None] * v.astype(f32)[..., None, :]
