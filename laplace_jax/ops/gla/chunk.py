@@ -66,9 +66,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax.ops.gla.inputs import check_inputs
-from laplace_jax.ops.gla.levels import LAYOUTS, dot, layout_for, level_matrices, scores, scores_bwd, sums
+from laplace_jax.ops.gla.levels import LAYOUTS, dot, level_matrices, scores, scores_bwd, sums
 from laplace_jax.ops.gla.limits import chunk_size_problem
-from laplace_jax.platform import GPUS, SYSTOLIC, per_platform
+from laplace_jax.platform import SYSTOLIC, per_platform
 
 Array = jax.Array
 
@@ -127,17 +127,28 @@ def _forward(q, k, v, g, s0, scale, C, layout):
     return o, sT, starts, A
 
 
+def _per_layout(fn, layout: str, *args):
+    """``fn(*args, layout=...)``; "auto": the layout of the platform the program is compiled for
+    ("full" for TPU and Neuron, ``platform.SYSTOLIC``; ``platform.per_platform``). Called inside
+    the custom VJP's rules, so autodiff never differentiates the per-platform branch (the compiled
+    ops keep their sources)."""
+    if layout != "auto":
+        return fn(*args, layout=layout)
+    full = functools.partial(fn, layout="full")
+    return per_platform(*args, default=functools.partial(fn, layout="blocks"), **dict.fromkeys(SYSTOLIC, full))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def chunk_gla_padded(
     q: Array, k: Array, v: Array, g: Array, s0: Array, scale: float, C: int, layout: str
 ) -> tuple[Array, Array]:
     """GLA over T = N * C tokens (already padded): (o [B, T, H, V], final state [B, H, K, V] fp32)."""
-    o, sT, _, _ = _forward(q, k, v, g, s0, scale, C, layout)
+    o, sT, _, _ = _per_layout(functools.partial(_forward, scale=scale, C=C), layout, q, k, v, g, s0)
     return o, sT
 
 
 def _vjp_fwd(q, k, v, g, s0, scale, C, layout):
-    o, sT, starts, scores = _forward(q, k, v, g, s0, scale, C, layout)
+    o, sT, starts, scores = _per_layout(functools.partial(_forward, scale=scale, C=C), layout, q, k, v, g, s0)
     saved = tuple(checkpoint_name(x, "gla_states") for x in (starts, scores))  # model.remat="save_gla" keeps them
     return (o, sT), (q, k, v, g, s0, *saved)
 
@@ -167,6 +178,10 @@ def _bwd_chunk(dS, xs, scale, layout):
 
 
 def _vjp_bwd(scale, C, layout, res, cot):
+    return _per_layout(functools.partial(_backward, scale=scale, C=C), layout, res, cot)
+
+
+def _backward(res, cot, *, scale: float, C: int, layout: str):
     q, k, v, g, s0, starts, A = res
     do, dsT = cot
     N = q.shape[1] // C
@@ -221,14 +236,5 @@ def chunk_gla(
     pad = (-T) % chunk_size
     if pad:  # state-neutral tail: q = k = v = 0, g = 0
         q, k, v, g = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, g))
-    run = {lay: functools.partial(_padded, scale=scale, C=chunk_size, layout=lay) for lay in LAYOUTS}
-    if layout == "auto":
-        targets = {p: run[layout_for(p)] for p in (*SYSTOLIC, *GPUS)}
-        o, final_state = per_platform(q, k, v, g, s0, default=run["blocks"], **targets)
-    else:
-        o, final_state = run[layout](q, k, v, g, s0)
+    o, final_state = chunk_gla_padded(q, k, v, g, s0, scale, chunk_size, layout)
     return o[:, :T], final_state
-
-
-def _padded(q, k, v, g, s0, *, scale: float, C: int, layout: str) -> tuple[Array, Array]:
-    return chunk_gla_padded(q, k, v, g, s0, scale, C, layout)

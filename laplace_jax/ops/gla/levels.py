@@ -25,7 +25,8 @@ s < t <= mid, so with dq_l, dk_l the level's gradients of q and k,
 each a sum of the pair terms P[r, s] = dA[r, s] A-factor that actually contain g_t (no
 difference of two large sums, unlike reverse-cumsum(q dq - k dk)).
 
-Two layouts of the same sums, chosen per compile target (``layout_for``):
+Two layouts of the same sums, chosen per compile target (``chunk._per_layout``: "full" for
+``platform.SYSTOLIC``):
 - ``full`` (TPU, Neuron: systolic arrays): each level is one full-width [P x K] x [K x P] matmul
   whose rows outside the level's halves are zero, kept where r and s share a block. Every array
   keeps a minor dimension of K or P (128): no 1-, 2- or 4-row tiles, which a 128 x 128 matrix
@@ -51,7 +52,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax import platform
 from laplace_jax.ops.gla.limits import XLA_SCORES_SCOPE
 
 Array = jax.Array
@@ -226,13 +226,7 @@ def scores_bwd_blocks(q: Array, k: Array, g: Array, dA: Array, scale: float, dty
     return dq[..., :C, :] + d * k, dk[..., :C, :] + d * q, dg[..., :C, :]
 
 
-# ----- per compiler ----------------------------------------------------------------------------
-def layout_for(platform_name: str) -> str:
-    """The layout the compiler for ``platform_name`` wants: "full" on systolic arrays (TPU, Neuron:
-    ``platform.SYSTOLIC``), "blocks" elsewhere (``chunk_gla`` picks per compile target with it)."""
-    return "full" if platform_name in platform.SYSTOLIC else "blocks"
-
-
+# ----- per layout ------------------------------------------------------------------------------
 def scores(q: Array, k: Array, g: Array, scale: float, dtype, layout: str) -> Array:
     """A [..., C, C] fp32 (zero above the diagonal) in ``layout`` ("full" or "blocks")."""
     fn = scores_full if layout == "full" else scores_blocks
