@@ -25,9 +25,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from laplace_jax.ops.conv.step import conv_step
 from laplace_jax.ops.gla.limits import MOSAIC_CONV_KERNEL
-from laplace_jax.ops.gla.mosaic import compiled_on_tpu
+from laplace_jax.ops.gla.mosaic import mosaic_step_for
 from laplace_jax.ops.gla.mosaic_step import LANES, row_block, whole_lane_tiles
-from laplace_jax.platform import per_platform
 
 Array = jax.Array
 f32 = jnp.float32
@@ -120,9 +119,7 @@ def short_conv_step(
     step elsewhere (``platform.per_platform``), everything else the XLA step."""
     if impl not in ("mosaic", "auto") or not takes(*x.shape):
         return conv_step(x, cache, kernel, lengths)
-    if impl == "mosaic":
-        return compiled_on_tpu(_mosaic, x, cache, kernel, lengths)
-    return per_platform(x, cache, kernel, lengths, default=conv_step, tpu=functools.partial(_mosaic, interpret=False))
+    return mosaic_step_for(impl, _mosaic, conv_step, x, cache, kernel, lengths)
 
 
 def _mosaic(x, cache, kernel, lengths, *, interpret: bool):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from laplace_jax.ops.gla.chunk import chunk_gla
 from laplace_jax.ops.gla.inputs import check_inputs
 from laplace_jax.ops.gla.limits import IMPLS, chunk_size_problem
-from laplace_jax.ops.gla.mosaic import compiled_on_tpu, mosaic_gla
+from laplace_jax.ops.gla.mosaic import compiled_on_tpu, mosaic_gla, mosaic_step_for
 from laplace_jax.ops.gla.mosaic_step import mosaic_gla_step, takes
 from laplace_jax.ops.gla.pallas import pallas_gla, pallas_interpret
 from laplace_jax.ops.gla.recurrent import recurrent_gla
@@ -37,13 +37,18 @@ KERNEL_NAMES = {
 }
 
 
+def check_name(impl: str) -> None:
+    """Raise unless ``impl`` is a ``model.attn_impl`` name."""
+    if impl not in IMPLS:
+        raise ValueError(f"the GLA kernel must be one of {', '.join(IMPLS)}; got {impl!r}")
+
+
 def kernel_for(impl: str, platform_name: str, chunk_size: int) -> tuple[str, str]:
     """(kernel, why) for a sequence under ``model.attn_impl=impl`` in a program compiled for
     ``platform_name`` (a lowering platform, or ``jax.default_backend()``'s "gpu"): "auto" is
     "mosaic" on TPU, "pallas" on GPU, "chunk" elsewhere, or "chunk" where the faster kernel does not
     take ``chunk_size`` (``why`` says so)."""
-    if impl not in IMPLS:
-        raise ValueError(f"the GLA kernel must be one of {', '.join(IMPLS)}; got {impl!r}")
+    check_name(impl)
     if impl != "auto":
         return impl, f"model.attn_impl={impl!r}"
     fast = "mosaic" if platform_name == "tpu" else "pallas" if platform_name in (*GPUS, "gpu") else None
@@ -127,13 +132,9 @@ def gla_decode(
     batch-minor (``mosaic_step.takes``) under "mosaic" (interpreted on CPU) and, in a program
     compiled for TPU, under "auto"; the XLA step everywhere else."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    kernel_for(impl, "cpu", 128)  # checks the name
+    check_name(impl)
     xla = functools.partial(gla_step, scale=scale)
     if impl not in ("mosaic", "auto") or not takes(q.shape[0], v.shape[-1]):
         return xla(q, k, v, g, state)
     step = functools.partial(mosaic_gla_step, scale=scale)
-    if impl == "auto":
-        return per_platform(q, k, v, g, state, default=xla, tpu=functools.partial(step, interpret=False))
-    return (
-        compiled_on_tpu(step, q, k, v, g, state) if interpret is None else step(q, k, v, g, state, interpret=interpret)
-    )
+    return mosaic_step_for(impl, step, xla, q, k, v, g, state, interpret=interpret)

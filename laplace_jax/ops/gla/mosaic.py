@@ -396,3 +396,14 @@ def compiled_on_tpu(fn, *args, compiles: bool = True):
     if not compiles:
         return (interpreted if backend == "cpu" else compiled)(*args)
     return per_platform(*args, default=interpreted, tpu=compiled)
+
+
+def mosaic_step_for(impl: str, fn, xla, *args, interpret: bool | None = None):
+    """A decode-step Mosaic kernel ``fn`` (one whose shapes it takes) under ``model.attn_impl``:
+    "auto" runs it in a program compiled for TPU and ``xla`` elsewhere; "mosaic" runs it compiled
+    for TPU and interpreted for CPU (``compiled_on_tpu``), or as ``interpret`` says."""
+    if impl == "auto":
+        return per_platform(*args, default=xla, tpu=functools.partial(fn, interpret=False))
+    if interpret is None:
+        return compiled_on_tpu(fn, *args)
+    return fn(*args, interpret=interpret)
