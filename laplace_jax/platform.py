@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
+import pkgutil
 import statistics
 import time
 from collections.abc import Callable, Iterator
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import psutil
+from jax.interpreters import mlir
 
 from laplace_jax.errors import ConfigError
 
@@ -57,17 +61,80 @@ def per_platform(*args, default: Callable, **branches: Callable):
     "neuron", "cpu"), ``default(*args)`` for any other: the choice follows the compile target
     (``jax.lax.platform_dependent``: JAX lowers only the branch of the platform it compiles for), so a
     program AOT-compiled for a TPU from a CPU host (``jax.jit(f).lower`` on TPU devices, or
-    ``.trace(...).lower(lowering_platforms=("tpu",))``) gets the TPU branch. Every branch is traced;
-    all must return the same shapes. On a Neuron host, inside ``only_for``, or called eagerly (outside
-    any trace: it runs now, where its arrays are), the one branch is called directly: no conditional
-    reaches the program (Neuron's compiler takes no ``lax.cond``)."""
+    ``.trace(...).lower(lowering_platforms=("tpu",))``) gets the TPU branch. Every branch this host
+    can compile for (``lowerable_platforms``) is traced; all must return the same shapes. On a
+    Neuron host, inside ``only_for``, or called eagerly (outside any trace: it runs now, where its
+    arrays are), the one branch is called directly: no conditional reaches the program (Neuron's
+    compiler takes no ``lax.cond``)."""
     only = _ONLY.get() or ("neuron" if jax.default_backend() == "neuron" else None) or _running_on(args)
     if only is not None:
         return branches.get(only, default)(*args)
-    branches = {p: fn for p, fn in branches.items() if fn is not default}
+    targets = lowerable_platforms()
+    branches = {p: fn for p, fn in branches.items() if fn is not default and p in targets}
     if not branches:
         return default(*args)
     return jax.lax.platform_dependent(*args, default=default, **branches)
+
+
+# PJRT plugins by the module names their packages install (jax[tpu]'s libtpu, jax[cuda*]'s plugin
+# and its jax_plugins.xla_cuda* module, ROCm's likewise, jax-neuronx's libneuronxla).
+_PLUGIN_MODULES = {
+    "tpu": ("libtpu",),
+    "cuda": ("jax_cuda", "xla_cuda"),
+    "rocm": ("jax_rocm", "xla_rocm"),
+    "neuron": ("libneuronxla", "jax_neuronx"),
+}
+
+
+@functools.cache
+def lowerable_platforms() -> frozenset[str]:
+    """Platforms this process can compile for: CPU, the default backend's, and each whose PJRT
+    plugin is installed. ``per_platform`` traces no branch for the others: nothing here could
+    compile it (on a CPU-only host, ``auto`` traces a model as fast as the XLA kernel alone). To ``jax.export`` for a
+    platform whose plugin this host lacks, trace inside ``only_for`` it."""
+    names = {m.name for m in pkgutil.iter_modules()}
+    with contextlib.suppress(ImportError):
+        import jax_plugins  # the namespace package JAX discovers plugins in
+
+        names |= {m.name for m in pkgutil.iter_modules(jax_plugins.__path__)}
+    found = {"cpu", jax.default_backend()}
+    found |= {p for p, prefixes in _PLUGIN_MODULES.items() if any(n.startswith(prefixes) for n in names)}
+    return frozenset(found)
+
+
+_refused_p = jax.extend.core.Primitive("refused_when_lowered")  # the identity; lowering it raises
+_refused_p.def_abstract_eval(lambda x, *, message: x)
+
+
+def _refuse(ctx, x, *, message):
+    raise ValueError(message)
+
+
+mlir.register_lowering(_refused_p, _refuse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _refused(message: str, x: jax.Array) -> jax.Array:
+    return _refused_p.bind(x, message=message)
+
+
+def _refused_fwd(message, x):
+    return _refused(message, x), None
+
+
+def _refused_bwd(message, _, ct):
+    return (_refused_p.bind(ct, message=message),)  # a gradient program raises too
+
+
+_refused.defvjp(_refused_fwd, _refused_bwd)
+
+
+def refused_when_lowered(message: str, tree):
+    """``tree`` (a pytree of arrays) in a program never lowered; lowering it, or its gradient,
+    raises ``ValueError(message)``. The ``per_platform`` branch of a kernel that cannot compile for
+    that branch's platform: every branch is traced, so the refusal waits until a program is lowered
+    for that platform; programs for the others never see it."""
+    return jax.tree.map(functools.partial(_refused, message), tree)
 
 
 def _running_on(args) -> str | None:

@@ -25,3 +25,13 @@ def _release_compiled_programs():
 
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture
+def every_platform(monkeypatch):
+    """As on a host with every PJRT plugin installed (``platform.lowerable_platforms``): each
+    ``per_platform`` branch is traced, so a program lowered from this CPU host for a TPU or a GPU
+    (``lowering_platforms``) takes that platform's kernel, as a TPU or GPU host's AOT compile does."""
+    from laplace_jax import platform
+
+    monkeypatch.setattr(platform, "lowerable_platforms", lambda: frozenset(("cpu", "tpu", "cuda", "rocm", "neuron")))

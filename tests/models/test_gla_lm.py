@@ -115,7 +115,7 @@ def test_remat_and_recurrent_impl_give_same_logits():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["pallas", "mosaic"])
-def test_pallas_impls_give_the_same_logits_and_gradients_under_jit(impl):
+def test_pallas_impls_give_the_same_logits_and_gradients_under_jit(impl, every_platform):
     """model.attn_impl="pallas" / "mosaic" (interpreted on CPU) against "chunk", through jit and grad;
     "auto" compiles to the Pallas kernel for a GPU and to the XLA kernel for this CPU."""
     kw = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1)

@@ -64,7 +64,7 @@ def test_the_mosaic_conv_step_keeps_padding_rows_and_agrees_in_bf16(W):
     assert y.dtype == jnp.bfloat16 and _rel(y, y_ref) <= 2e-2 and _rel(y_xla, y_ref) <= 2e-2
 
 
-def test_short_conv_step_takes_the_kernel_for_whole_tiles_only():
+def test_short_conv_step_takes_the_kernel_for_whole_tiles_only(every_platform):
     """impl="mosaic": the kernel for 128 rows x 128 channels; 3 rows or 96 channels (not whole
     lane tiles) and "chunk" take the XLA step; the same cache either way. impl="auto": the kernel
     in a program compiled for TPU, the XLA step in one compiled for CPU."""

@@ -321,7 +321,7 @@ def _lowered(fn, platform_name: str, *args) -> str:
     return jax.jit(grad).trace(*args).lower(lowering_platforms=(platform_name,)).as_text(debug_info=True)
 
 
-def test_the_kernel_follows_the_compile_target():
+def test_the_kernel_follows_the_compile_target(every_platform):
     """ "auto" picks per compile target, not per the process's backend: lowered from this CPU host
     for a TPU it is the Mosaic kernel, for a GPU the Triton one, for the CPU the XLA kernel in the
     blocks layout; the XLA kernel's "auto" layout is the full-width one for a TPU (a systolic
@@ -349,7 +349,28 @@ def test_the_kernel_follows_the_compile_target():
         chunk_gla(*_inputs(16, "weak")[:4], layout="diagonal")
 
 
-def test_a_neuron_host_traces_one_kernel_and_no_conditional():
+def test_a_platform_without_its_plugin_gets_no_branch_and_a_refusal_waits_for_lowering(monkeypatch):
+    """``per_platform`` traces a branch only for platforms whose PJRT plugin this host has (libtpu
+    for a TPU); explicit "mosaic" at a chunk the TPU compiler rejects runs interpreted for CPU and
+    raises only when a program is lowered for TPU."""
+    import importlib.util
+
+    from laplace_jax import platform
+
+    found = platform.lowerable_platforms()
+    assert "cpu" in found and ("tpu" in found) == (importlib.util.find_spec("libtpu") is not None)
+    q, k, v, g = _inputs(128, "weak")[:4]
+    with_plugins = {p for p in ("tpu", "cuda") if p in found}
+    eqns = str(jax.make_jaxpr(lambda *a: gla(*a, impl="auto", chunk_size=128))(q, k, v, g))
+    assert ("pallas_call" in eqns) == bool(with_plugins)
+    monkeypatch.setattr(platform, "lowerable_platforms", lambda: frozenset(("cpu", "tpu")))  # as with libtpu
+    narrow = functools.partial(gla, impl="mosaic", chunk_size=64)
+    assert "gla_scores" not in _lowered(narrow, "cpu", q, k, v, g)  # the Pallas interpreter, no XLA kernel
+    with pytest.raises(ValueError, match=r"multiple of 128 \(got 64\).*model\.chunk_size=128"):
+        _lowered(narrow, "tpu", q, k, v, g)
+
+
+def test_a_neuron_host_traces_one_kernel_and_no_conditional(every_platform):
     """Neuron's compiler takes no ``lax.cond``: where only one platform will compile the program (a
     Neuron host; ``platform.only_for``), "auto" is that platform's kernel called directly, with no
     per-platform branch and no Pallas call left in the program."""
@@ -411,7 +432,7 @@ def test_the_mosaic_step_kernel_follows_the_torch_recurrence_and_keeps_padding_r
     assert np.array_equal(np.asarray(s1)[pad], np.asarray(s)[pad])
 
 
-def test_gla_decode_takes_the_mosaic_kernel_where_the_state_is_batch_minor():
+def test_gla_decode_takes_the_mosaic_kernel_where_the_state_is_batch_minor(every_platform):
     """impl="mosaic": the kernel for 128 or 256 rows with V = 32, the XLA step for 3 rows (a batch
     that leaves most of each lane tile empty) or V = 128 (the TPU keeps such a state V-minor);
     "chunk": the XLA step. Same numbers either way. impl="auto": the kernel in a program compiled

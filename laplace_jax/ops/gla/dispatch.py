@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from laplace_jax.ops.gla.chunk import chunk_gla
 from laplace_jax.ops.gla.inputs import check_inputs
 from laplace_jax.ops.gla.limits import IMPLS, chunk_size_problem
-from laplace_jax.ops.gla.mosaic import compiled_on_tpu, mosaic_gla, mosaic_step_for
+from laplace_jax.ops.gla.mosaic import chunk_refusal, compiled_on_tpu, mosaic_gla, mosaic_step_for
 from laplace_jax.ops.gla.mosaic_step import mosaic_gla_step, takes
 from laplace_jax.ops.gla.pallas import pallas_gla, pallas_interpret
 from laplace_jax.ops.gla.recurrent import recurrent_gla
@@ -74,7 +74,7 @@ def _run(kernel: str, q, k, v, g, s0, *, scale: float, chunk_size: int, interpre
     if kernel == "mosaic":
         mosaic = functools.partial(mosaic_gla, scale=scale, chunk_size=chunk_size)
         if interpret is None:  # chunks the TPU compiler rejects run interpreted only
-            return compiled_on_tpu(mosaic, q, k, v, g, s0, compiles=chunk_size % 128 == 0)
+            return compiled_on_tpu(mosaic, q, k, v, g, s0, refusal=chunk_refusal(chunk_size))
         return mosaic(q, k, v, g, s0, interpret=interpret)
     interpret = pallas_interpret() if interpret is None else interpret
     return pallas_gla(q, k, v, g, s0, scale=scale, chunk_size=chunk_size, interpret=interpret)

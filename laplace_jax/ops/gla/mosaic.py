@@ -78,7 +78,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from laplace_jax.ops.gla.levels import level_matrices
 from laplace_jax.ops.gla.limits import MOSAIC_KERNELS, chunk_size_problem
-from laplace_jax.platform import per_platform
+from laplace_jax.platform import per_platform, refused_when_lowered
 
 Array = jax.Array
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -362,11 +362,8 @@ def mosaic_gla(
     multiple of 128 where the kernel compiles (TPU)."""
     if (problem := chunk_size_problem("mosaic", chunk_size)) is not None:
         raise ValueError(problem)
-    if not interpret and chunk_size % 128:
-        raise ValueError(
-            f"the Mosaic GLA kernel compiles for TPU with chunk_size a multiple of 128 (got {chunk_size}): "
-            "libtpu rejects narrower contractions of operands computed in the kernel. Use model.chunk_size=128."
-        )
+    if not interpret and (refusal := chunk_refusal(chunk_size)) is not None:
+        raise ValueError(refusal)
     T = q.shape[1]
     Tp = -(-T // chunk_size) * chunk_size
 
@@ -380,22 +377,34 @@ def mosaic_gla(
     return jnp.swapaxes(o[:, :, :T], 1, 2), sT
 
 
-def compiled_on_tpu(fn, *args, compiles: bool = True):
+def compiled_on_tpu(fn, *args, refusal: str | None = None):
     """``fn(*args, interpret=...)`` for a Mosaic kernel ``fn``: compiled in a program compiled for
     TPU (a deviceless TPU compile from this host included), run in the Pallas interpreter in one
     compiled for CPU (``platform.per_platform``). Raises on a backend where it cannot run at all.
-    ``compiles=False`` (shapes the TPU compiler rejects): interpreted on CPU only, and on a TPU
-    ``fn`` says why it does not compile."""
+    ``refusal``: why the TPU compiler rejects these shapes; they run interpreted on CPU, and a
+    program lowered for TPU raises it."""
     backend = jax.default_backend()
     if backend not in ("cpu", "tpu"):
         raise ValueError(
             f"the Mosaic GLA kernels lower only on TPU; this backend is {backend!r}. "
             "Use model.attn_impl='auto', which picks the kernel for the backend."
         )
-    interpreted, compiled = (functools.partial(fn, interpret=flag) for flag in (True, False))
-    if not compiles:
-        return (interpreted if backend == "cpu" else compiled)(*args)
-    return per_platform(*args, default=interpreted, tpu=compiled)
+    interpreted = functools.partial(fn, interpret=True)
+    if refusal is None:
+        return per_platform(*args, default=interpreted, tpu=functools.partial(fn, interpret=False))
+    if backend == "tpu":
+        raise ValueError(refusal)
+    return per_platform(*args, default=interpreted, tpu=lambda *a: refused_when_lowered(refusal, interpreted(*a)))
+
+
+def chunk_refusal(chunk_size: int) -> str | None:
+    """Why the TPU compiler rejects the Mosaic chunk kernel at ``chunk_size``, or None."""
+    if chunk_size % 128 == 0:
+        return None
+    return (
+        f"the Mosaic GLA kernel compiles for TPU with chunk_size a multiple of 128 (got {chunk_size}): "
+        "libtpu rejects narrower contractions of operands computed in the kernel. Use model.chunk_size=128."
+    )
 
 
 def mosaic_step_for(impl: str, fn, xla, *args, interpret: bool | None = None):
