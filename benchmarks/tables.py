@@ -431,6 +431,30 @@ def _cluster(r: dict) -> list[str]:
     ]
 
 
+def _speculative(r: dict) -> list[str]:
+    head = ["workload", "verify kernel", "same tokens", "plain tok/s", "speculative tok/s", "speedup", "accepted",
+            "tokens per verify"]  # fmt: skip
+    n = r["new_tokens"]
+    rows = [
+        [
+            m["workload"],
+            m["verify_impl"],
+            "yes" if m["identical_to_plain"] else "NO",
+            f"{n / m['plain_s']:,.0f}",
+            f"{n / m['speculative_s']:,.0f}",
+            f"{m['speedup']:.2f}x",
+            f"{m['acceptance_rate']:.0%}",
+            f"{m['tokens_per_verify']:.2f}",
+        ]
+        for m in r["runs"].values()
+    ]
+    return [
+        *_grid(head, rows),
+        "",
+        f"{r['config']}, random weights, W={r['width']}, greedy, {n} new tokens, K={r['k']}; medians of paired runs.",
+    ]
+
+
 def _auto_tpu(kernel: dict, r: dict) -> list[str]:
     rows = []
     for group, res in (("kernel", kernel), ("decode", r), ("train", r)):
@@ -1130,6 +1154,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "tests_cpu": (("tests_cpu.json",), _tests_cpu),
     "prepare": (("prepare_cpu.json",), _prepare),
     "cluster": (("cluster_cpu.json",), _cluster),
+    "speculative": (("speculative_cpu.json",), _speculative),
     "auto_tpu": (("auto_tpu_kernel.json", "auto_tpu.json"), _auto_tpu),
     "tolerances": (
         ("numerics_kernels.json", "decay_sweep.json", "numerics_recall_1x.json", "numerics_recall_1x_exact.json"),

@@ -69,6 +69,17 @@ def sample_rows(
     """
     logits = logits_WxV.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1)
+    masked = limit_logits(logits, temperature_W, top_k_W, top_p_W, min_p_W)
+    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys_W, masked)
+    return jnp.where(temperature_W <= 0, greedy, drawn).astype(jnp.int32)
+
+
+def limit_logits(
+    logits_WxV: Array, temperature_W: Array, top_k_W: Array, top_p_W: Array, min_p_W: Array | None = None
+) -> Array:
+    """The logits ``sample_rows`` draws from (sampled rows): divided by the temperature, -inf
+    outside the top-k / top-p / min-p limits; their softmax is the distribution of its draw."""
+    logits = logits_WxV.astype(jnp.float32)
     scaled = logits / jnp.maximum(temperature_W, 1e-6)[:, None]
     top, _ = jax.lax.top_k(scaled, min(CANDIDATES, logits.shape[-1]))  # [W, K] descending
     k = jnp.where(top_k_W > 0, jnp.minimum(top_k_W, top.shape[-1]), top.shape[-1])
@@ -80,6 +91,45 @@ def sample_rows(
     threshold = jnp.where(limited[:, None], jnp.maximum(kth, cutoff), -jnp.inf)
     if min_p_W is not None:  # p_i >= min_p * p_max  <=>  scaled_i >= scaled_max + log(min_p)
         threshold = jnp.maximum(threshold, top[:, :1] + jnp.log(min_p_W)[:, None])
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys_W, masked)
-    return jnp.where(temperature_W <= 0, greedy, drawn).astype(jnp.int32)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def speculative_accept(
+    logits_WxNxV: Array,
+    draft_WxK: Array,
+    temperature_W: Array,
+    top_k_W: Array,
+    top_p_W: Array,
+    keys_W: Array,
+    min_p_W: Array | None = None,
+) -> tuple[Array, Array]:
+    """Speculative sampling for a draft that proposes one token per position (an n-gram lookup:
+    all its mass on that token). ``logits`` at N = K + 1 positions, position j's given the context
+    and ``draft[:, :j]``; a draft id < 0 is padding (a shorter proposal) and is never accepted.
+
+    Returns (tokens [W, N], accepted [W]): a row emits ``tokens[:accepted + 1]``, its accepted
+    draft followed by one token of its own. Greedy rows (temperature <= 0) accept while the draft
+    equals the argmax and then emit the argmax. Sampled rows accept draft token d with probability
+    p(d) under ``limit_logits``' distribution p, and at the first rejection draw from p with d
+    removed (renormalized; with every token accepted, from the last position's p): the standard
+    rule, so the emitted tokens are distributed exactly as ``sample_rows`` one position at a time.
+    """
+    W, N, V = logits_WxNxV.shape
+    K = N - 1
+    rep = lambda x: None if x is None else jnp.repeat(x, N, axis=0)  # noqa: E731
+    masked = limit_logits(logits_WxNxV.reshape(W * N, V), rep(temperature_W), rep(top_k_W), rep(top_p_W), rep(min_p_W))
+    masked = masked.reshape(W, N, V)
+    draft = jnp.concatenate([draft_WxK, jnp.full((W, 1), -1, draft_WxK.dtype)], axis=1)  # no draft after the last
+    keys = jax.vmap(lambda key: jax.random.split(key, 2 * N).reshape(2, N))(keys_W)  # [W, 2, N]: accept, draw
+    lsm = jax.nn.log_softmax(masked, axis=-1)
+    p_draft = jnp.exp(jnp.take_along_axis(lsm, jnp.maximum(draft, 0)[..., None], axis=-1)[..., 0])
+    u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(key)))(keys[:, 0])
+    greedy_W = temperature_W <= 0
+    argmax = jnp.argmax(logits_WxNxV, axis=-1).astype(jnp.int32)
+    ok = jnp.where(greedy_W[:, None], draft == argmax, (draft >= 0) & (u < p_draft))[:, :K]
+    accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
+    residual = jnp.where(jnp.arange(V) == draft[..., None], -jnp.inf, masked)  # p without the rejected token
+    drawn = jax.vmap(jax.vmap(jax.random.categorical))(keys[:, 1], residual).astype(jnp.int32)
+    own = jnp.where(greedy_W[:, None], argmax, drawn)
+    tokens = jnp.where(jnp.arange(N) < accepted[:, None], draft, own)
+    return tokens, accepted

@@ -132,3 +132,61 @@ def test_large_vocab_limits_act_on_the_candidates_and_unlimited_rows_see_every_t
     assert len(set(free) - set(order[:CANDIDATES].tolist())) > 100
     with pytest.raises(InvalidParamError, match="top_k must lie in"):
         SamplingParams(top_k=CANDIDATES + 1).check(vocab_size=V)
+
+
+def _chi_square(tokens: np.ndarray, want: np.ndarray) -> float:
+    """Pearson's statistic of ``tokens`` against the probabilities ``want`` (cells with mass)."""
+    seen = np.bincount(tokens, minlength=len(want))
+    assert np.all(seen[want == 0] == 0), "a token outside the support was drawn"
+    exp = want[want > 0] * len(tokens)
+    return float(np.sum((seen[want > 0] - exp) ** 2 / exp))
+
+
+@pytest.mark.parametrize("ranks", [(0, 0), (4, 1), (7, 0), None])
+def test_speculative_acceptance_keeps_the_plain_sampling_distribution(ranks):
+    """Three positions with their own fixed logits (so each token's distribution does not depend
+    on the one before), top-k 6 and temperature 0.8; a two-token draft by rank at positions 0 and 1
+    (the likeliest tokens; an unlikely one; one outside the top-k; none). The first emitted token
+    follows position 0's limited softmax and, when the first draft token was kept (about as often
+    as its probability), the second follows position 1's: chi-square with 5 degrees of freedom
+    below 20.5 (p = 0.001), against a numpy softmax."""
+    from laplace_jax.sampling import speculative_accept
+
+    rng = np.random.default_rng(1)
+    logits = np.stack([LOGITS, rng.permutation(LOGITS), rng.permutation(LOGITS)])  # [N=3, V]
+    n, t, k = N, 0.8, 6
+
+    def limited(row):  # numpy: temperature, then the k most likely renormalized
+        p = np.exp(row / t - np.max(row / t))
+        p[np.argsort(-row)[k:]] = 0
+        return p / p.sum()
+
+    draft = [-1, -1] if ranks is None else [int(np.argsort(-logits[j])[r]) for j, r in enumerate(ranks)]
+    full = lambda v, dt: jnp.full((n,), v, dt)  # noqa: E731
+    tokens, accepted = jax.jit(speculative_accept)(
+        jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, 3, 8)),
+        jnp.broadcast_to(jnp.asarray(draft, jnp.int32), (n, 2)),
+        full(t, jnp.float32),
+        full(k, jnp.int32),
+        full(1.0, jnp.float32),
+        jax.random.split(jax.random.key(2), n),
+    )
+    tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+    assert _chi_square(tokens[:, 0], limited(logits[0])) < 20.5
+    kept = accepted >= 1
+    p_kept = 0.0 if ranks is None else limited(logits[0])[draft[0]]
+    assert abs(kept.mean() - p_kept) < 0.02 and np.all(tokens[kept, 0] == draft[0])
+    if p_kept > 0.1:
+        assert _chi_square(tokens[kept, 1], limited(logits[1])) < 20.5
+
+
+def test_greedy_speculation_keeps_the_argmax_prefix():
+    from laplace_jax.sampling import speculative_accept
+
+    logits = jnp.asarray(np.eye(8)[[2, 5, 7, 1]][None] * 4.0, jnp.float32)  # argmax 2, 5, 7, 1
+    zero = jnp.zeros((1,))
+    for draft, want_n, want in [((2, 5, 7), 3, [2, 5, 7, 1]), ((2, 4, 7), 1, [2, 5]), ((6, 5, 7), 0, [2])]:
+        tokens, n = speculative_accept(
+            logits, jnp.asarray([draft]), zero, zero.astype(int), zero + 1, jax.random.split(jax.random.key(0), 1)
+        )
+        assert int(n[0]) == want_n and list(np.asarray(tokens[0, : want_n + 1])) == want

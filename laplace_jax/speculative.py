@@ -1,0 +1,157 @@
+"""Speculative decoding without a draft model, on one device: n-gram prompt lookup proposes up to
+K tokens, one verify call scores them all, ``sampling.speculative_accept`` keeps a prefix.
+
+out, stats = speculative_sample(cfg, params, prompt_ids, 200, num_speculative_tokens=4, temperature=0)
+
+The whole loop is one compiled ``lax.while_loop`` (no host round trip per token): each iteration
+looks the last n-gram up in the sequence so far (``ngram_proposal``, on device), feeds [last
+token, draft] (K + 1 tokens) through ``prefill`` from the state before them, accepts a prefix, and
+replays the kept tokens from the same state with ``prefill``'s per-row length (the replay variant
+of issue 54: no per-position states are stored). An iteration with no proposal takes one plain
+decode step instead, and after a draft is rejected outright the lookup pauses (1, 2, 4 .. 16
+tokens), so failed speculation costs little. The serving engine's loop does not use this yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from laplace_jax.config import ModelConfig
+from laplace_jax.models.gla_lm import decode_step, init_state, prefill
+from laplace_jax.sampling import sample_rows, speculative_accept
+
+Array = jax.Array
+MAX_PAUSE = 16  # tokens without lookups after repeated outright rejections
+
+
+def ngram_proposal(tokens_L: Array, length: Array, k: int, n_min: int = 1, n_max: int = 4) -> Array:
+    """Prompt lookup (vLLM's ``ngram`` method) over ``tokens[:length]``: for n from ``n_max`` down to
+    ``n_min``, the last n tokens are searched for earlier in the sequence; at the latest earlier
+    occurrence, the ``k`` tokens that followed it are the proposal, the stretch between it and the
+    suffix repeated where fewer than k follow (a loop of period d proposes k tokens, not d).
+    Returns [k] ids, all -1 where no n-gram recurs."""
+    L = tokens_L.shape[0]
+    idx = jnp.arange(L)
+    padded = jnp.concatenate([tokens_L, jnp.full((n_max + k,), -1, tokens_L.dtype)])
+    best = jnp.full((k,), -1, tokens_L.dtype)
+    found = jnp.zeros((), bool)
+    for n in range(n_max, n_min - 1, -1):  # longest first: a shorter n-gram only where no longer one recurs
+        suffix = jax.lax.dynamic_slice(padded, (jnp.maximum(length - n, 0),), (n,))
+        match = idx < length - n  # an occurrence that starts before the suffix does
+        for j in range(n):
+            match &= padded[j : j + L] == suffix[j]
+        start = jnp.max(jnp.where(match, idx, -1)) + n
+        period = jnp.maximum(length - start, 1)  # from the occurrence to the suffix: repeated
+        after = padded[jnp.maximum(start, 0) + jnp.arange(k) % period]
+        hit = match.any() & ~found
+        best, found = jnp.where(hit, after, best), found | hit
+    return best
+
+
+@dataclasses.dataclass
+class SpeculationStats:
+    """What a ``speculative_sample`` call did: verify calls, plain decode steps, draft tokens
+    proposed and accepted."""
+
+    verify_calls: int
+    plain_steps: int
+    proposed: int
+    accepted: int
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+def _limits(temperature, top_k, top_p):
+    return (
+        jnp.full((1,), temperature, jnp.float32),
+        jnp.full((1,), top_k, jnp.int32),
+        jnp.full((1,), top_p, jnp.float32),
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 6, 7, 8, 9))
+def _generate(
+    cfg: ModelConfig, verify_cfg: ModelConfig, params, state, tokens_L, length, n_new: int, K: int, n_min: int,
+    n_max: int, key, limits,
+):  # fmt: skip
+    """The speculative loop: (tokens_L with ``n_new`` tokens written after ``length``, counters);
+    the K + 1 tokens of a verify call run through ``verify_cfg``'s GLA kernel."""
+    end = length + n_new
+
+    def verify(c, draft):
+        fed = jnp.concatenate([c["tokens"][c["length"] - 1][None], jnp.maximum(draft, 0)])[None]
+        logits, _ = prefill(verify_cfg, params, fed, c["state"])
+        toks, n = speculative_accept(logits, draft[None], *limits, c["key"][None])
+        keep = jnp.minimum(n[0] + 1, end - c["length"])
+        _, state = prefill(verify_cfg, params, fed, c["state"], keep[None])
+        return toks[0], keep, n[0], state
+
+    def plain(c, _):
+        logits, state = decode_step(cfg, params, c["tokens"][c["length"] - 1][None], c["state"])
+        tok = sample_rows(logits, *limits, c["key"][None])
+        return jnp.zeros((K + 1,), jnp.int32).at[0].set(tok[0]), jnp.int32(1), jnp.int32(0), state
+
+    def body(c):
+        c["key"], sub = jax.random.split(c["key"])
+        room = jnp.minimum(K, end - c["length"] - 1)
+        draft = ngram_proposal(c["tokens"], c["length"], K, n_min, n_max)
+        draft = jnp.where((jnp.arange(K) < room) & (c["skip"] == 0), draft, -1)
+        proposed = jnp.sum(draft >= 0)
+        toks, keep, n, c["state"] = jax.lax.cond(proposed > 0, verify, plain, dict(c, key=sub), draft)
+        c["tokens"] = jax.lax.dynamic_update_slice(c["tokens"], toks, (c["length"],))
+        c["length"] = c["length"] + keep
+        rejected = (proposed > 0) & (n == 0)
+        c["skip"] = jnp.where(rejected, c["pause"], jnp.maximum(c["skip"] - 1, 0))
+        c["pause"] = jnp.where(rejected, jnp.minimum(2 * c["pause"], MAX_PAUSE), jnp.where(n > 0, 1, c["pause"]))
+        counts = jnp.stack([proposed > 0, proposed == 0, proposed, n]).astype(jnp.int32)
+        c["stats"] = c["stats"] + counts
+        return c
+
+    carry = dict(
+        state=state, tokens=tokens_L, length=length, key=key, skip=jnp.int32(0), pause=jnp.int32(1),
+        stats=jnp.zeros((4,), jnp.int32),
+    )  # fmt: skip
+    out = jax.lax.while_loop(lambda c: c["length"] < end, body, carry)
+    return out["tokens"], out["stats"]
+
+
+def speculative_sample(
+    cfg: ModelConfig,
+    params,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    num_speculative_tokens: int = 4,
+    prompt_lookup_min: int = 1,
+    prompt_lookup_max: int = 4,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    verify_impl: str = "recurrent",
+) -> tuple[list[int], SpeculationStats]:
+    """``max_new_tokens`` tokens after ``prompt_ids`` with n-gram speculation: greedy output equals
+    plain greedy decoding's token for token, and sampled output has plain sampling's distribution
+    (not its draws). ``verify_impl``: the GLA kernel of a verify call's K + 1 tokens (a
+    ``model.attn_impl`` name; the token scan by default: on CPU it beat the chunk kernel, which
+    pads K + 1 tokens to a whole chunk, in benchmarks/results/speculative_cpu.json)."""
+    if not prompt_ids or max_new_tokens < 1:
+        raise ValueError("need a prompt of at least one token and max_new_tokens >= 1")
+    if num_speculative_tokens < 1 or not 1 <= prompt_lookup_min <= prompt_lookup_max:
+        raise ValueError("need num_speculative_tokens >= 1 and 1 <= prompt_lookup_min <= prompt_lookup_max")
+    K, P = num_speculative_tokens, len(prompt_ids)
+    state = init_state(cfg, 1)
+    if P > 1:
+        _, state = jax.jit(prefill, static_argnums=0)(cfg, params, jnp.asarray(prompt_ids[:-1], jnp.int32)[None], state)
+    tokens = jnp.zeros((P + max_new_tokens + K + 1,), jnp.int32).at[:P].set(jnp.asarray(prompt_ids, jnp.int32))
+    limits = (jnp.full((1,), temperature, jnp.float32), jnp.full((1,), top_k, jnp.int32), jnp.full((1,), top_p))
+    args = (K, prompt_lookup_min, prompt_lookup_max, jax.random.key(seed), limits)
+    verify_cfg = dataclasses.replace(cfg, attn_impl=verify_impl)
+    tokens, stats = _generate(cfg, verify_cfg, params, state, tokens, jnp.int32(P), max_new_tokens, *args)
+    return [int(t) for t in tokens[P : P + max_new_tokens]], SpeculationStats(*(int(x) for x in stats))

@@ -1,0 +1,75 @@
+"""n-gram proposals against a brute-force search; speculative generation against plain decoding."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from laplace_jax.speculative import ngram_proposal, speculative_sample
+
+
+def _brute_force(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    for n in range(n_max, n_min - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == suffix]
+        if starts:
+            start = starts[-1] + n
+            return [tokens[start + j % (len(tokens) - start)] for j in range(k)]
+    return []
+
+
+def _proposal(seq: list[int], k: int, n_min: int = 1, n_max: int = 4, room: int = 8) -> list[int]:
+    """``ngram_proposal`` on device over ``seq`` in a buffer with ``room`` unused slots after it."""
+    buf = jnp.asarray(list(seq) + [7] * room, jnp.int32)  # junk after the sequence must not match
+    out = np.asarray(ngram_proposal(buf, jnp.int32(len(seq)), k, n_min, n_max))
+    assert np.all(out >= 0) or np.all(out < 0)
+    return [int(t) for t in out if t >= 0]
+
+
+def test_ngram_proposal_examples_and_a_brute_force_search():
+    assert _proposal([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    assert _proposal([5, 6, 9, 5, 6, 7, 5, 6], 2) == [7, 5]  # the latest occurrence
+    assert _proposal([1, 2, 3], 4) == [] and _proposal([1, 2, 1], 4, n_min=2) == []
+    assert _proposal([1, 2, 1], 4) == [2, 1, 2, 1]  # the loop continued
+    assert _proposal([9, 3, 3, 3], 3) == [3, 3, 3]
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        seq = [int(t) for t in rng.integers(0, 4, rng.integers(1, 40))]
+        k, lo = int(rng.integers(1, 6)), int(rng.integers(1, 3))
+        hi = lo + int(rng.integers(0, 3))
+        assert _proposal(seq, k, lo, hi) == _brute_force(seq, k, lo, hi), (seq, k, lo, hi)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import jax
+
+    from laplace_jax.config import load_run_config
+    from laplace_jax.models.gla_lm import init_params
+
+    cfg = load_run_config("configs/tiny.py").model
+    return cfg, init_params(cfg, jax.random.key(0))
+
+
+def test_greedy_speculation_equals_plain_greedy_decoding(tiny):
+    """Greedy: token for token the output of ``generate.sample`` (prefill, then decode steps), on a
+    prompt that repeats itself (drafts accepted) and on one that does not."""
+    from laplace_jax.generate import sample
+
+    cfg, params = tiny
+    rng = np.random.default_rng(0)
+    phrase = list(rng.integers(0, cfg.vocab_size, 12))
+    for prompt in (phrase * 4, list(rng.integers(0, cfg.vocab_size, 40))):
+        want = sample(cfg, params, prompt, 40, temperature=0.0)
+        got, stats = speculative_sample(cfg, params, prompt, 40, temperature=0.0)
+        assert got == want
+        assert stats.proposed >= stats.accepted and stats.verify_calls + stats.plain_steps == 40 - stats.accepted
+
+
+def test_sampled_speculation_runs_to_length_and_refuses_bad_settings(tiny):
+    cfg, params = tiny
+    out, _ = speculative_sample(cfg, params, [3, 4, 3, 4, 3, 4], 17, temperature=1.0, top_k=8, seed=1)
+    assert len(out) == 17 and all(0 <= t < cfg.vocab_size for t in out)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        speculative_sample(cfg, params, [1], 4, prompt_lookup_min=3, prompt_lookup_max=2)
