@@ -493,9 +493,9 @@ def _auto_tpu(kernel: dict, r: dict) -> list[str]:
 
 def _tests_cpu(r: dict) -> list[str]:
     total = f"{r['passed']} passed, {r['skipped']} skipped, {r['failed']} failed in {r['wall_s']:,.0f} s"
-    rows = [["the whole suite (2 CPU cores, file order)", total]]
+    rows = [["the whole suite (2 CPU cores, README's command)", total]]
     rows += [[f"`{t['name'].replace('tests.', '', 1)}`", f"{t['seconds']:.1f} s"] for t in r["slowest"][:5]]
-    return _grid(["tests", "time"], rows)
+    return [*_grid(["tests", "time"], rows), *(["", f"Measured {r['note']}."] if "note" in r else [])]
 
 
 # ----- BENCHMARKS.md's tables ------------------------------------------------------------------
