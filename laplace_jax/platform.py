@@ -90,8 +90,8 @@ _PLUGIN_MODULES = {
 def lowerable_platforms() -> frozenset[str]:
     """Platforms this process can compile for: CPU, the default backend's, and each whose PJRT
     plugin is installed. ``per_platform`` traces no branch for the others: nothing here could
-    compile it (on a CPU-only host, ``auto`` traces a model as fast as the XLA kernel alone). To ``jax.export`` for a
-    platform whose plugin this host lacks, trace inside ``only_for`` it."""
+    compile it (on a CPU-only host, ``auto`` traces a model as fast as the XLA kernel alone). To
+    ``jax.export`` for a platform whose plugin this host lacks, trace inside ``only_for`` it."""
     names = {m.name for m in pkgutil.iter_modules()}
     with contextlib.suppress(ImportError):
         import jax_plugins  # the namespace package JAX discovers plugins in

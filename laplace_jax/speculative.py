@@ -36,7 +36,7 @@ def ngram_proposal(tokens_L: Array, length: Array, k: int, n_min: int = 1, n_max
     Returns [k] ids, all -1 where no n-gram recurs."""
     L = tokens_L.shape[0]
     idx = jnp.arange(L)
-    padded = jnp.concatenate([tokens_L, jnp.full((n_max + k,), -1, tokens_L.dtype)])
+    padded = jnp.concatenate([tokens_L, jnp.full((n_max,), -1, tokens_L.dtype)])  # room for the shifted views
     best = jnp.full((k,), -1, tokens_L.dtype)
     found = jnp.zeros((), bool)
     for n in range(n_max, n_min - 1, -1):  # longest first: a shorter n-gram only where no longer one recurs
@@ -67,14 +67,6 @@ class SpeculationStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
-def _limits(temperature, top_k, top_p):
-    return (
-        jnp.full((1,), temperature, jnp.float32),
-        jnp.full((1,), top_k, jnp.int32),
-        jnp.full((1,), top_p, jnp.float32),
-    )
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 6, 7, 8, 9))
 def _generate(
     cfg: ModelConfig, verify_cfg: ModelConfig, params, state, tokens_L, length, n_new: int, K: int, n_min: int,
@@ -84,16 +76,16 @@ def _generate(
     the K + 1 tokens of a verify call run through ``verify_cfg``'s GLA kernel."""
     end = length + n_new
 
-    def verify(c, draft):
-        fed = jnp.concatenate([c["tokens"][c["length"] - 1][None], jnp.maximum(draft, 0)])[None]
+    def verify(c, last, draft):
+        fed = jnp.concatenate([last[None], jnp.maximum(draft, 0)])[None]
         logits, _ = prefill(verify_cfg, params, fed, c["state"])
         toks, n = speculative_accept(logits, draft[None], *limits, c["key"][None])
         keep = jnp.minimum(n[0] + 1, end - c["length"])
         _, state = prefill(verify_cfg, params, fed, c["state"], keep[None])
         return toks[0], keep, n[0], state
 
-    def plain(c, _):
-        logits, state = decode_step(cfg, params, c["tokens"][c["length"] - 1][None], c["state"])
+    def plain(c, last, _):
+        logits, state = decode_step(cfg, params, last[None], c["state"])
         tok = sample_rows(logits, *limits, c["key"][None])
         return jnp.zeros((K + 1,), jnp.int32).at[0].set(tok[0]), jnp.int32(1), jnp.int32(0), state
 
@@ -103,7 +95,8 @@ def _generate(
         draft = ngram_proposal(c["tokens"], c["length"], K, n_min, n_max)
         draft = jnp.where((jnp.arange(K) < room) & (c["skip"] == 0), draft, -1)
         proposed = jnp.sum(draft >= 0)
-        toks, keep, n, c["state"] = jax.lax.cond(proposed > 0, verify, plain, dict(c, key=sub), draft)
+        last = c["tokens"][c["length"] - 1]
+        toks, keep, n, c["state"] = jax.lax.cond(proposed > 0, verify, plain, dict(c, key=sub), last, draft)
         c["tokens"] = jax.lax.dynamic_update_slice(c["tokens"], toks, (c["length"],))
         c["length"] = c["length"] + keep
         rejected = (proposed > 0) & (n == 0)

@@ -33,5 +33,6 @@ def every_platform(monkeypatch):
     ``per_platform`` branch is traced, so a program lowered from this CPU host for a TPU or a GPU
     (``lowering_platforms``) takes that platform's kernel, as a TPU or GPU host's AOT compile does."""
     from laplace_jax import platform
+    from laplace_jax.ops.gla.dispatch import TARGETS
 
-    monkeypatch.setattr(platform, "lowerable_platforms", lambda: frozenset(("cpu", "tpu", "cuda", "rocm", "neuron")))
+    monkeypatch.setattr(platform, "lowerable_platforms", lambda: frozenset(TARGETS))
