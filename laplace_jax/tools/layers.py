@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models", ("models",)),
     ("tasks", ("tasks",)),
     ("data", ("data",)),
-    ("model tools", ("checkpoint", "convert", "hf_files", "sharding", "sampling", "loss", "generate", "loading")),
+    ("model tools", ("checkpoint", "convert", "hf_files", "sharding", "sampling", "loss", "generate", "speculative", "loading")),
     ("optimizers", ("optim",)),
     ("training", ("train",)),
     ("serving", ("serve",)),
