@@ -36,7 +36,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models", ("models",)),
     ("tasks", ("tasks",)),
     ("data", ("data",)),
-    ("model tools", ("checkpoint", "convert", "hf_files", "sharding", "sampling", "loss", "generate", "speculative", "loading")),
+    (
+        "model tools",
+        ("checkpoint", "convert", "hf_files", "sharding", "sampling", "loss", "generate", "speculative", "loading"),
+    ),
     ("optimizers", ("optim",)),
     ("training", ("train",)),
     ("serving", ("serve",)),
