@@ -455,6 +455,24 @@ def _speculative(r: dict) -> list[str]:
     ]
 
 
+def _structured(r: dict) -> list[str]:
+    t = r["throughput"]
+    head = ["constraint", "compile (ms)", "automaton states", "device table, 3B vocabulary (MiB)"]
+    rows = [
+        [name, f"{c['compile_s'] * 1e3:.1f}", f"{c['states']:,}", f"{c['device_bytes_3b_vocab'] / 2**20:.1f}"]
+        for name, c in r["constraints"].items()
+    ]
+    speed = [f"W={r['width']}, {r['new_tokens']} tokens per row", "unconstrained tok/s", "JSON schema tok/s",
+             "ratio", "compiles while serving"]  # fmt: skip
+    measured = [r["config"], f"{t['plain_tok_s']:,.0f}", f"{t['json_schema_tok_s']:,.0f}", f"{t['ratio']:.2f}x",
+                str(t["compiles_while_serving"])]  # fmt: skip
+    return [
+        *_grid(speed, [measured]),
+        "",
+        *_grid(head, rows),
+    ]
+
+
 def _auto_tpu(kernel: dict, r: dict) -> list[str]:
     rows = []
     for group, res in (("kernel", kernel), ("decode", r), ("train", r)):
@@ -1155,6 +1173,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "prepare": (("prepare_cpu.json",), _prepare),
     "cluster": (("cluster_cpu.json",), _cluster),
     "speculative": (("speculative_cpu.json",), _speculative),
+    "structured": (("structured_cpu.json",), _structured),
     "auto_tpu": (("auto_tpu_kernel.json", "auto_tpu.json"), _auto_tpu),
     "tolerances": (
         ("numerics_kernels.json", "decay_sweep.json", "numerics_recall_1x.json", "numerics_recall_1x_exact.json"),

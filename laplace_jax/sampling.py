@@ -42,6 +42,31 @@ def penalize(logits_WxV: Array, rows: dict[str, Array]) -> Array:
     return jnp.where(early & rows["stop_mask"], -jnp.inf, logits)
 
 
+def grammar_limit(pen_WxV: Array, logits_WxV: Array, table_RxV: Array, gstate_W: Array) -> Array:
+    """Structured outputs' mask (``serve/structured.py``): a row in grammar state ``gstate`` >= 0
+    (a row of ``table``, the next state per token, -1 = not allowed) keeps the penalized logits of
+    the allowed tokens only; a row at -1 is unconstrained and unchanged, bit for bit. When the
+    penalties removed every allowed token (``min_tokens`` holding back an EOS the grammar
+    requires), the grammar wins: the row falls back to the raw logits of the allowed tokens. The
+    table's rows are read only when some row is constrained (a batch without one skips the [W, V]
+    gather)."""
+
+    def masked(pen):
+        nxt = table_RxV[jnp.maximum(gstate_W, 0)]
+        allowed = (gstate_W < 0)[:, None] | (nxt >= 0)
+        out = jnp.where(allowed, pen, -jnp.inf)
+        stuck = ~jnp.any(out > -jnp.inf, axis=-1, keepdims=True)
+        return jnp.where(stuck, jnp.where(allowed, logits_WxV.astype(jnp.float32), -jnp.inf), out)
+
+    return jax.lax.cond(jnp.any(gstate_W >= 0), masked, lambda pen: pen, pen_WxV)
+
+
+def grammar_next(table_RxV: Array, gstate_W: Array, token_W: Array, valid_W: Array) -> Array:
+    """Each constrained, valid row's state after ``token``; others keep theirs."""
+    after = table_RxV[jnp.maximum(gstate_W, 0), token_W].astype(gstate_W.dtype)
+    return jnp.where((gstate_W >= 0) & valid_W, after, gstate_W)
+
+
 def count_tokens(counts_WxV: Array, token_W: Array, valid_W: Array) -> Array:
     """Add each row's new token to its output counts (a comparison, not a scatter: Neuron-friendly)."""
     vocab = jnp.arange(counts_WxV.shape[-1], dtype=jnp.int32)

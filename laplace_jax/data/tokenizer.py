@@ -6,10 +6,14 @@ The byte tokenizer maps UTF-8 bytes to ids 0..255 and uses id 0 (NUL, never in t
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from typing import Protocol
 
 import numpy as np
+
+from laplace_jax.errors import UserError
 
 GPT2_HINT = (
     "download GPT-2's tokenizer.json (Hugging Face repository 'openai-community/gpt2', file tokenizer.json) "
@@ -29,6 +33,8 @@ class Tokenizer(Protocol):
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
 
+    def token_bytes(self) -> list[bytes | None]: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens; EOS = 0."""
@@ -46,6 +52,10 @@ class ByteTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.replace("\0", "").encode("utf-8"), np.uint8).astype(np.uint32) for t in texts]
+
+    def token_bytes(self) -> list[bytes | None]:
+        """Each id's bytes in generated text (None: EOS, which writes nothing)."""
+        return [None] + [bytes([i]) for i in range(1, 256)]
 
 
 class HFTokenizer:
@@ -74,6 +84,47 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """The Rust tokenizer's own batch call; each text is encoded alone (no special tokens)."""
         return [np.asarray(e.ids, np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def token_bytes(self) -> list[bytes | None]:
+        """Each id's bytes in generated text (None: special tokens, which write nothing). Byte-level
+        BPE (GPT-2's): each character of a token stands for one byte; SentencePiece-style
+        ("▁" for a space, "<0xNN>" byte fallback) otherwise. Raises ``UserError`` for a decoder
+        whose tokens are neither."""
+        spec = json.loads(self._tok.to_str())
+        decoder = spec.get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        out: list[bytes | None] = [None] * self.vocab_size
+        if "ByteLevel" in kinds:
+            to_byte = {c: b for b, c in _byte_level_chars().items()}
+            read = lambda t: bytes(to_byte[c] for c in t) if all(c in to_byte for c in t) else None  # noqa: E731
+        elif kinds & {"Metaspace", "ByteFallback", "Replace"}:
+            read = _sentencepiece_bytes
+        else:
+            raise UserError(
+                f"{self.spec}: structured outputs need each token's bytes; decoder {sorted(k for k in kinds if k)} "
+                "is neither byte-level BPE nor SentencePiece-style"
+            )
+        for token, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if i not in special and i < self.vocab_size:
+                out[i] = read(token)
+        return out
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte -> the printable character that stands for it (printable
+    Latin-1 bytes stand for themselves, the others for 256 + n in order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b], extra = chr(256 + extra), extra + 1
+    return out
+
+
+def _sentencepiece_bytes(token: str) -> bytes:
+    m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", token)
+    return bytes([int(m.group(1), 16)]) if m else token.replace("▁", " ").encode("utf-8")
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -31,6 +31,9 @@ def byte_size(text: str) -> int:
     return value
 
 
+MAX_STRUCTURED_STATES = 2**15 - 1  # the grammar table's entries are int16 row indices (``slot_programs``)
+
+
 def _setting(default: Any, group: str, help: str, *, lo: float | None = None, positive: bool = False, **flag: Any):
     """A field with its help text, its flag's group and its range (``lo`` <= value; ``positive``:
     > 0); ``flag``: extra ``argparse`` arguments (``choices``, ``type``; ``shown``: the flag's
@@ -100,6 +103,17 @@ class ServeConfig:
         "prefix-cache block in tokens (default and unit: lcm of the model's chunk_size and --prefill-chunk)",
         lo=1,
     )
+    structured_states: int = _setting(
+        4096,
+        "engine",
+        "structured outputs: automaton states held on every device at once (a [states, vocab] int16 table: "
+        "412 MB for the 3B model's vocabulary, 2 MB for the tiny one's; at most 32767); also the most one "
+        "request's schema, regex or choice list may compile to",
+        lo=1,
+    )
+    structured_timeout_s: float = _setting(
+        10.0, "engine", "seconds a request's schema, regex or choice list may take to compile (then 400)", lo=0.1
+    )
     prng_impl: str = _setting(
         "auto",
         "engine",
@@ -153,6 +167,8 @@ class ServeConfig:
                 raise SettingError(f.name, f"must be >= {lo}; got {value}")
             if positive and not value > 0:
                 raise SettingError(f.name, f"must be positive; got {value}")
+        if self.structured_states > MAX_STRUCTURED_STATES:  # the table's int16 entries index its rows
+            raise SettingError("structured_states", f"must be <= {MAX_STRUCTURED_STATES}; got {self.structured_states}")
         if self.decode_buckets not in ("pow2", "exact"):
             widths = self.decode_buckets.split(",")
             if not all(w.strip().isdigit() and 1 <= int(w) <= self.max_num_seqs for w in widths):

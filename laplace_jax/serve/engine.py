@@ -74,7 +74,14 @@ def build(
 ) -> tuple[Runner, Scheduler]:
     """The runner (the device programs on ``devices``) and the scheduler for ``serve``."""
     programs = DevicePrograms(
-        cfg, params, devices, serve.max_num_seqs, serve.prefill_chunk, serve.steps_per_call, prng_impl(serve.prng_impl)
+        cfg,
+        params,
+        devices,
+        serve.max_num_seqs,
+        serve.prefill_chunk,
+        serve.steps_per_call,
+        prng_impl(serve.prng_impl),
+        serve.structured_states,
     )
     buckets = make_buckets(serve.buckets(), serve.max_num_seqs)
     prefix = prefix_cache(
@@ -96,6 +103,7 @@ def build(
         prng=programs.prng,
         prefix=prefix,
         metrics=metrics,
+        grammar_rows=serve.structured_states,
     )
     return Runner(programs, compile_on_demand=buckets is None), scheduler
 

@@ -25,6 +25,7 @@ from laplace_jax.errors import InvalidParamError, QueueFullError
 from laplace_jax.serve import protocol as pr
 from laplace_jax.serve.detok import TextStream
 from laplace_jax.serve.engine import Engine
+from laplace_jax.serve.grammars import Grammars
 from laplace_jax.serve.metrics import ServeMetrics
 from laplace_jax.serve.protocol import ApiError
 from laplace_jax.serve.request import Request as EngineRequest
@@ -45,6 +46,28 @@ class _Seq:
     tokens: list[int] = dataclasses.field(default_factory=list)
     out: str = ""
     finish: str | None = None
+    call_id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")  # a named tool call's
+
+
+def _tool_delta(s: _Seq, delta: str, tools, first: bool) -> dict:
+    """A chat delta's text as content, or as tool calls: a named call's arguments stream as they
+    come (its first chunk names it); ``required``'s calls come whole with the last chunk."""
+    if not tools:
+        return {"content": delta}
+    mode, name = tools
+    if mode == "named":
+        head = {"id": s.call_id, "type": "function", "function": {"name": name, "arguments": delta}}
+        call = head if first else {"function": {"arguments": delta}}
+        return {"tool_calls": [pr.ToolCallDelta(index=0, **call)]}
+    if s.finish is None:
+        return {}
+    calls = pr.tool_calls(s.out, mode, name)
+    if calls is None:  # cut short (length): the text as it is
+        return {"content": s.out}
+    deltas = [
+        pr.ToolCallDelta(index=i, id=c.id, type=c.type, function=c.function.model_dump()) for i, c in enumerate(calls)
+    ]
+    return {"tool_calls": deltas}
 
 
 class Generation:
@@ -58,10 +81,12 @@ class Generation:
         model_name: str,
         defaults: SamplingParams | None = None,
         off_loop: Callable[..., Awaitable[Any]] | None = None,
+        grammars: Grammars | None = None,
     ):
         """``off_loop(fn, *args)``: where request checks run off the event loop (the server's bounded
-        parser threads; ``asyncio.to_thread`` by default)."""
+        parser threads; ``asyncio.to_thread`` by default); ``grammars``: structured outputs' compiles."""
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.grammars = grammars or Grammars(engine, tokenizer)
         self.off_loop = off_loop or asyncio.to_thread
         self.defaults = defaults or SamplingParams()
         self.metrics: ServeMetrics = engine.metrics
@@ -161,14 +186,16 @@ class Generation:
         return pr.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
     def _choice(
-        self, s: _Seq, index: int, chat: bool, echo: bool, logprobs: int | None
+        self, s: _Seq, index: int, chat: bool, echo: bool, logprobs: int | None, tools=None
     ) -> pr.ChatChoice | pr.CompletionChoice:
         r = s.req
         gen, as_ids = r.logprobs[: len(s.tokens)], r.sampling.return_tokens_as_token_ids
         if chat:
             lp = pr.chat_logprobs(self.tok, s.tokens, gen, as_ids) if logprobs is not None else None
-            message = pr.AssistantMessage(role="assistant", content=s.out)
-            return pr.ChatChoice(index=index, message=message, logprobs=lp, finish_reason=s.finish)
+            calls = pr.tool_calls(s.out, *tools) if tools else None
+            message = pr.AssistantMessage(role="assistant", content=None if calls else s.out, tool_calls=calls)
+            finish = "tool_calls" if calls and tools[0] == "required" and s.finish == "stop" else s.finish
+            return pr.ChatChoice(index=index, message=message, logprobs=lp, finish_reason=finish)
         prefix = self.tok.decode(r.prompt_ids) if echo else ""
         lp = None
         if logprobs is not None:
@@ -178,7 +205,7 @@ class Generation:
             lp = pr.completion_logprobs(self.tok, ids, entries, 0 if echo else len(prefix), as_ids)
         return pr.CompletionChoice(index=index, text=prefix + s.out, logprobs=lp, finish_reason=s.finish)
 
-    async def _complete(self, request, prompts, sp, n, best_of, stops, include_stop, chat, echo, request_id):
+    async def _complete(self, request, prompts, sp, n, best_of, stops, include_stop, chat, echo, request_id, tools):
         """A whole (non-streamed) response; with best_of > n, each prompt's n likeliest sequences."""
         seqs: dict[int, _Seq] = {}
         async for s, _, _ in self._run(request, prompts, sp, best_of, stops, include_stop, best_of > n):
@@ -191,7 +218,7 @@ class Generation:
             mine = [s for s in ordered if s.prompt == p]
             if best_of > n:
                 mine = sorted(mine, key=lambda s: -s.req.cumulative_logprob)[:n]
-            choices += [self._choice(s, p * n + j, chat, echo, sp.logprobs) for j, s in enumerate(mine)]
+            choices += [self._choice(s, p * n + j, chat, echo, sp.logprobs, tools) for j, s in enumerate(mine)]
         kind = pr.ChatCompletion if chat else pr.Completion
         whole = kind(**self._head(kind, request_id), choices=choices, usage=self._usage(prompts, ordered))
         return JSONResponse(whole.model_dump(exclude_unset=True))
@@ -203,10 +230,12 @@ class Generation:
         obj = kind.model_fields["object"].default
         return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
 
-    async def _stream(self, request, prompts, sp, n, stops, include_stop, chat, echo, usage: str | None, request_id):
+    async def _stream(
+        self, request, prompts, sp, n, stops, include_stop, chat, echo, usage: str | None, request_id, tools
+    ):
         """Server-sent events: a chunk per step and sequence (index = prompt * n + choice).
         ``usage``: None, "last" (a final chunk with the usage) or "every" (also in each chunk, so
-        far: vLLM's ``continuous_usage_stats``)."""
+        far: vLLM's ``continuous_usage_stats``). ``tools``: the text is tool calls' (``respond``)."""
         kind = pr.ChatCompletionChunk if chat else pr.Completion
         head = self._head(kind, request_id)
         run = self._run(request, prompts, sp, n, stops, include_stop)
@@ -223,9 +252,14 @@ class Generation:
             index = s.prompt * n + s.ordinal
             as_ids = sp.return_tokens_as_token_ids
             if chat:
-                d = pr.ChatDelta(content=delta, role="assistant") if started == 0 else pr.ChatDelta(content=delta)
+                d = pr.ChatDelta(
+                    role="assistant" if started == 0 else None, **_tool_delta(s, delta, tools, started == 0)
+                )
                 lp = pr.chat_logprobs(self.tok, tokens, entries, as_ids) if sp.logprobs is not None else None
-                choice = pr.ChatChunkChoice(index=index, delta=d, logprobs=lp, finish_reason=s.finish)
+                finish = s.finish
+                if tools and tools[0] == "required" and finish == "stop" and d.tool_calls:
+                    finish = "tool_calls"
+                choice = pr.ChatChunkChoice(index=index, delta=d, logprobs=lp, finish_reason=finish)
             else:
                 if echo and started == 0:
                     delta = self.tok.decode(s.req.prompt_ids) + delta
@@ -261,7 +295,10 @@ class Generation:
 
     async def respond(self, request, body, prompts, sp: SamplingParams, per_prompt: int, chat: bool, echo: bool):
         """Serve ``prompts`` with ``per_prompt`` sequences each (``best_of`` or ``n``; the slots per
-        device bound it, the engine's check)."""
+        device bound it, the engine's check), constrained to ``body.constraint()`` if any; a chat
+        output of tool calls (``ChatRequest.tool_mode``) is returned as ``tool_calls``."""
+        sp.automaton = await self.grammars.automaton(body.constraint())
+        tools = body.tool_mode() if chat else None
         try:
             self.engine.check_group(per_prompt)
         except InvalidParamError as e:
@@ -271,7 +308,9 @@ class Generation:
         if body.stream:
             opts = body.stream_options
             usage = None if not (opts and opts.include_usage) else "every" if opts.continuous_usage_stats else "last"
-            return await self._stream(request, prompts, sp, body.n, stops, include, chat, echo, usage, body.request_id)
+            return await self._stream(
+                request, prompts, sp, body.n, stops, include, chat, echo, usage, body.request_id, tools
+            )
         return await self._complete(
-            request, prompts, sp, body.n, per_prompt, stops, include, chat, echo, body.request_id
+            request, prompts, sp, body.n, per_prompt, stops, include, chat, echo, body.request_id, tools
         )

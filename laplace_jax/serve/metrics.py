@@ -59,6 +59,18 @@ class ServeMetrics:
         )
         self.prefix_bytes = Gauge(p + "prefix_cache_bytes", "Bytes the prefix cache holds", ["device"], registry=r)
         self.prefix_entries = Gauge(p + "prefix_cache_entries", "Entries the prefix cache holds", registry=r)
+        self.grammar_compiles = Histogram(
+            p + "structured_compile_seconds",
+            "Time to compile a new structured-output automaton",
+            buckets=_LAT,
+            registry=r,
+        )
+        self.grammar_states = Histogram(
+            p + "structured_automaton_states",
+            "States of each new structured-output automaton (x vocab x 2 bytes on device)",
+            buckets=(8, 32, 128, 512, 2048, 8192),
+            registry=r,
+        )
         self._synced: dict[str, int] = {}
         self._vllm: VllmNames | None = None
         jax.monitoring.register_event_listener(self._on_event)
@@ -120,6 +132,11 @@ class ServeMetrics:
             if delta > 0:
                 counters[name].inc(delta)
             self._synced[name] = value
+
+    def on_grammar(self, automaton) -> None:
+        """A structured-output automaton was compiled (its compile time and size)."""
+        self.grammar_compiles.observe(automaton.compile_s)
+        self.grammar_states.observe(automaton.states)
 
     def on_finish(self, req, reason: str, generated: int) -> None:
         self.finished.labels(reason).inc()

@@ -45,13 +45,15 @@ class Admission:
 
     ``starts[d] = (ids restored, state)``: row d resumes from a prefix-cache entry. ``keep[d]``:
     {ids done: block digest} of the block states to keep (the prefix cache's block entries).
-    ``score``: score every prompt position (prompt logprobs; never resumed)."""
+    ``score``: score every prompt position (prompt logprobs; never resumed). ``grammar_writes``:
+    (first row, automaton table) to write into the grammar table before the inserts."""
 
     groups: dict[int, list[Request]]
     score: bool
     starts: dict[int, tuple[int, Any]]
     keep: dict[int, dict[int, bytes]]
     inserts: list[dict[int, tuple[int, dict[str, np.ndarray]]]]
+    grammar_writes: list[tuple[int, np.ndarray]] = dataclasses.field(default_factory=list)
 
     def requests(self) -> list[Request]:
         return [r for g in self.groups.values() for r in g]

@@ -23,9 +23,12 @@ from laplace_jax.config import ModelConfig
 from laplace_jax.hlo_stats import gla_kernels
 from laplace_jax.models.gla_lm import init_state, pack_weights
 from laplace_jax.serve.slot_programs import (
+    GRAMMAR_BLOCK,
+    GRAMMAR_DTYPE,
     REQUEST_FIELDS,
     SlotLayout,
     decode_program,
+    grammar_program,
     insert_program,
     move_program,
     prefill_program,
@@ -46,17 +49,20 @@ class DevicePrograms:
         prefill_chunk: int,
         steps_per_call: int,
         prng: str,
+        grammar_rows: int,
     ):
-        """``prng``: the sampling keys' implementation, resolved (``platform.prng_impl``)."""
+        """``prng``: the sampling keys' implementation, resolved (``platform.prng_impl``);
+        ``grammar_rows``: the structured-output table's rows (automaton states held at once)."""
         self.cfg, self.prng = cfg, prng
         self.D, self.S = len(devices), slots_per_device  # devices, slots per device
         self.prefill_chunk, self.steps_per_call = prefill_chunk, steps_per_call
         self.mesh = Mesh(np.asarray(devices), ("data",))
-        self.layout = SlotLayout(cfg, self.mesh, prng, steps_per_call)
+        self.layout = SlotLayout(cfg, self.mesh, prng, steps_per_call, grammar_rows)
         on_cpu = devices[0].platform == "cpu"  # XLA:CPU needs bf16 weights as bits (pack_weights)
         self.params = jax.device_put(pack_weights(params) if on_cpu else params, NamedSharding(self.mesh, P()))
         self.executables: dict[tuple[str, int], Any] = {}
         self.slots = self.new_slots()
+        self.grammar = self.new_grammar()
         self.fresh = jax.device_put(
             init_state(cfg, self.D), self.layout.slot_sharding()
         )  # prefill's starting states, one per device
@@ -74,6 +80,11 @@ class DevicePrograms:
             "model": jax.device_put(init_state(self.cfg, n), self.layout.slot_sharding()),
             "rows": jax.device_put(rows, self.layout.slot_sharding()),
         }
+
+    def new_grammar(self) -> jax.Array:
+        """An empty structured-output table [grammar_rows, V] (no token allowed), on every device."""
+        table = np.full((self.layout.grammar_rows, self.cfg.vocab_size), -1, GRAMMAR_DTYPE)
+        return jax.device_put(table, self.layout.replicated())
 
     # ----- compilation --------------------------------------------------------------------
     def programs(self, widths: Sequence[int]) -> list[tuple]:
@@ -193,15 +204,28 @@ class DevicePrograms:
             local[d] = slot
             for k in REQUEST_FIELDS:
                 req[k][d] = row[k]
-        self.slots, first, lps = self.executables[("insert", D)](self.slots, state, logits, req, local)
+        self.slots, first, lps = self.executables[("insert", D)](self.slots, self.grammar, state, logits, req, local)
         return np.asarray(first), lps
 
     def decode(self, width: int) -> tuple[np.ndarray, np.ndarray, tuple[jax.Array, ...]]:
         """``steps`` tokens for the first ``width`` local slots of each device: (tokens, valid)
         [K, D, W] on the host, and the tokens' (logprob [K, D, W], top ids and top logprobs
         [K, D, W, k]) left on the device (read them only when a request wants them)."""
-        self.slots, toks, valid, lps = self.executables[("decode", width)](self.params, self.slots)
+        self.slots, toks, valid, lps = self.executables[("decode", width)](self.params, self.slots, self.grammar)
         return np.asarray(toks), np.asarray(valid), lps
+
+    def write_grammar(self, base: int, table_SxV: np.ndarray) -> None:
+        """Put an automaton's table at rows ``base``.. of the grammar table (its states renumbered
+        to those rows), ``GRAMMAR_BLOCK`` rows per call."""
+        R, V = self.layout.grammar_rows, self.cfg.vocab_size
+        rows = np.where(table_SxV >= 0, table_SxV + base, -1).astype(GRAMMAR_DTYPE)
+        for at in range(0, len(rows), GRAMMAR_BLOCK):
+            block = np.full((GRAMMAR_BLOCK, V), -1, GRAMMAR_DTYPE)
+            piece = rows[at : at + GRAMMAR_BLOCK]
+            block[: len(piece)] = piece
+            index = np.full((GRAMMAR_BLOCK,), R, np.int32)  # R: past the end, dropped
+            index[: len(piece)] = np.arange(base + at, base + at + len(piece))
+            self.grammar = self.executables[("grammar", self.D)](self.grammar, index, block)
 
     def move(self, moves: dict[int, tuple[int, int]]) -> None:
         """Per device d, copy local slot moves[d][0] into moves[d][1]."""
@@ -220,7 +244,7 @@ def serving_programs(
     lay: SlotLayout, params: Any, slots_per_device: int, prefill_chunk: int, widths: Sequence[int]
 ) -> list[tuple]:
     """(name, width, fn, abstract args, donated argnums) of every serving executable: prefill,
-    score, insert, move, snapshot and decode at each bucket width. ``params``: the placed (packed)
+    score, grammar, insert, move, snapshot and decode at each bucket width. ``params``: the placed (packed)
     weights or their ShapeDtypeStructs; nothing is allocated, so the programs compile for any
     devices, a TPU topology's included (``tools/tpu_check --serve``)."""
     cfg, D = lay.cfg, lay.D
@@ -238,11 +262,17 @@ def serving_programs(
         "model": _abstract(jax.eval_shape(lambda: init_state(cfg, n)), rows),
         "rows": {k: jax.ShapeDtypeStruct((n, *shape), dtype, sharding=rows) for k, (shape, dtype, _) in tpl.items()},
     }
+    rep = lay.replicated()
+    table = jax.ShapeDtypeStruct((lay.grammar_rows, V), GRAMMAR_DTYPE, sharding=rep)
+    block = jax.ShapeDtypeStruct((GRAMMAR_BLOCK, V), GRAMMAR_DTYPE, sharding=rep)
+    block_rows = jax.ShapeDtypeStruct((GRAMMAR_BLOCK,), jnp.int32, sharding=rep)
     out = [
         ("prefill", D, prefill, (params, tokens, state_D, ints, logits), ()),
         ("score", D, prefill, (params, tokens, state_D, ints, logits, tokens), ()),
-        ("insert", D, functools.partial(insert_program, lay), (slots, state_D, logits, req, ints), (0,)),
+        ("grammar", D, grammar_program, (table, block_rows, block), (0,)),
+        ("insert", D, functools.partial(insert_program, lay), (slots, table, state_D, logits, req, ints), (0,)),
         ("move", D, functools.partial(move_program, lay), (slots, ints, ints), (0,)),
         ("snapshot", D, functools.partial(snapshot_program, lay), (slots, ints), ()),
     ]
-    return out + [("decode", w, functools.partial(decode_program, lay, W=w), (params, slots), (1,)) for w in widths]
+    decode = [("decode", w, functools.partial(decode_program, lay, W=w), (params, slots, table), (1,)) for w in widths]
+    return out + decode

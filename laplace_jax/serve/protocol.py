@@ -10,13 +10,16 @@ their stream chunks.
 
 Chat template (documented, simple): each message becomes "<|{role}|>\\n{content}\\n", followed
 by "<|assistant|>\\n"; generation stops at the tokenizer's EOS or at "<|". The ``developer`` role
-is rendered as ``system`` (OpenAI's newer name for it). "<|" inside content is written "<\\|",
+is rendered as ``system`` (OpenAI's newer name for it). With ``tools``, a "<|tools|>" turn holding
+their definitions as JSON comes first; an assistant turn's tool calls follow its content as a
+JSON list of {name, arguments}. "<|" inside content is written "<\\|",
 so no message can forge a role marker.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
@@ -34,6 +37,7 @@ from laplace_jax.serve.request import (
     SamplingParams,
     TokenLogprob,
 )
+from laplace_jax.serve.structured import Constraint
 
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 256
 ROLE_MARK, ESCAPED_MARK = "<|", "<\\|"
@@ -74,6 +78,57 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # with include_usage: every chunk carries the usage so far (vLLM)
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False  # always so here: only a schema's own properties are generated
+    whitespace_pattern: str | None = None
+
+    def constraint(self, field: str = "structured_outputs") -> Constraint:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, _py(k))]
+        if len(given) != 1:
+            raise ApiError(400, f"{field}: send exactly one of json, regex, choice, grammar, json_object", field)
+        kind = given[0]
+        ws = "" if self.disable_any_whitespace else self.whitespace_pattern
+        if kind == "grammar":
+            raise ApiError(400, f"{field}.grammar: {GRAMMAR_REFUSED}", f"{field}.grammar")
+        if kind == "regex":
+            return Constraint("regex", self.regex, None, f"{field}.regex")
+        if kind == "choice":
+            return Constraint("choice", json.dumps(self.choice), None, f"{field}.choice")
+        if kind == "json_object":
+            return Constraint("json_object", "", ws, f"{field}.json_object")
+        return Constraint("json", _schema_text(self.json_, f"{field}.json"), ws, f"{field}.json")
+
+
+GRAMMAR_REFUSED = (
+    "grammars (Lark/EBNF) are not served: this server enforces regular languages on device; send json "
+    "(a schema), regex or choice"
+)
+
+
+def _py(name: str) -> str:
+    return "json_" if name == "json" else name
+
+
+def _schema_text(schema: dict | str, field: str) -> str:
+    """A JSON schema as canonical JSON text; ApiError 400 if it is not a JSON object."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise ApiError(400, f"{field}: not valid JSON: {e}", field) from None
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{field}: a JSON schema must be an object", field)
+    return json.dumps(schema, sort_keys=True)
+
+
 class _Common(_Strict):
     model: str
     max_tokens: int | None = _range(None, 0)
@@ -102,6 +157,7 @@ class _Common(_Strict):
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     return_hidden_states: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator(
         "no_stop_trim", "skip_special_tokens", "return_hidden_states", "continue_final_message", check_fields=False
@@ -123,6 +179,10 @@ class _Common(_Strict):
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def constraint(self) -> Constraint | None:
+        """What the output must match (structured outputs), or None."""
+        return self.structured_outputs and self.structured_outputs.constraint()
 
     def _sampling(self, defaults: SamplingParams, max_tokens: int | None, **kw) -> SamplingParams:
         d = self.top_k if self.top_k is not None else defaults.top_k
@@ -176,14 +236,79 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant turn with tool_calls
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools (the calls as returned)
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> Constraint | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Constraint("json_object", "", None, "response_format")
+        if self.json_schema is None:
+            raise ApiError(400, "response_format: type json_schema needs json_schema", "response_format.json_schema")
+        field = "response_format.json_schema.schema"
+        return Constraint("json", _schema_text(self.json_schema.schema_ or {}, field), None, field)
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+AUTO_REFUSED = (
+    "tool_choice 'auto' needs a model-specific tool-call format, which this model does not have: send "
+    "'required' (the output is a list of calls) or name a function"
+)
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str]
 
 
 class ChatRequest(_Common):
@@ -195,12 +320,62 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = _range(None, 0, TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def shown_tools(self) -> list[Tool] | None:
+        """The tools the prompt shows the model (none with tool_choice "none")."""
+        return self.tools if self.tool_choice != "none" else None
+
+    def tool_mode(self) -> tuple[str, str | None] | None:
+        """("named", the function) or ("required", None) when the output is tool calls, else None."""
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return None
+        if not self.tools:
+            raise ApiError(400, "tool_choice needs tools", "tool_choice")
+        if choice == "auto":
+            raise ApiError(400, AUTO_REFUSED, "tool_choice")
+        if choice == "required":
+            return "required", None
+        if choice.function.name not in {t.function.name for t in self.tools}:
+            raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice")
+        return "named", choice.function.name
+
+    def constraint(self) -> Constraint | None:
+        """What the output must match: the tool calls', the response format's or structured_outputs'
+        (at most one of them)."""
+        tools, fmt = self.tool_mode(), self.response_format and self.response_format.constraint()
+        given = [x for x in (tools, fmt, self.structured_outputs) if x is not None]
+        if len(given) > 1:
+            raise ApiError(400, "send at most one of tool_choice, response_format and structured_outputs", None)
+        if tools is not None:
+            return Constraint("json", json.dumps(self.tool_schema(*tools), sort_keys=True), None, "tools")
+        if fmt is not None:
+            return fmt
+        return self.structured_outputs and self.structured_outputs.constraint()
+
+    def tool_schema(self, mode: str, name: str | None) -> dict:
+        """The output's schema: the named function's parameters, or (required) an array of
+        {name, parameters} objects, one branch per tool (one item without parallel_tool_calls)."""
+        by_name = {t.function.name: t.function.parameters or NO_PARAMETERS for t in self.tools}
+        if mode == "named":
+            return by_name[name]
+        call = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": n}, "parameters": p},
+                "required": ["name", "parameters"],
+            }
+            for n, p in by_name.items()
+        ]
+        one = {} if self.parallel_tool_calls else {"maxItems": 1}
+        return {"type": "array", "items": {"anyOf": call}, "minItems": 1, **one}
 
     def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         """The engine's sampling parameters (``defaults`` fill what the request leaves out); raises
         ``ApiError`` for field combinations this server does not serve."""
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ApiError(400, "response_format: only 'text' is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -268,7 +443,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -288,7 +464,8 @@ class ChatCompletion(_Response):
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None  # in a sequence's first chunk only
-    content: str
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -318,6 +495,24 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
+
+
+def tool_calls(text: str, mode: str, name: str | None) -> list[ToolCall] | None:
+    """The tool calls an output holds: the named function's with the text as its arguments, or
+    (``required``) one per item of the text's JSON list of {name, parameters}; None when the text
+    is not such a list (generation was cut short)."""
+    if mode == "named":
+        return [ToolCall(id=_call_id(), type="function", function=ToolCallFunction(name=name, arguments=text))]
+    try:
+        items = json.loads(text)
+        pairs = [(c["name"], json.dumps(c["parameters"])) for c in items]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return [ToolCall(id=_call_id(), type="function", function=ToolCallFunction(name=n, arguments=a)) for n, a in pairs]
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def envelope(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> dict:
@@ -355,13 +550,20 @@ def content_text(content: str | list[TextPart]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-def chat_prompt(messages: list[ChatMessage]) -> str:
-    """The prompt text for ``messages`` (see the module docstring)."""
-    out = []
+def chat_prompt(messages: list[ChatMessage], tools: list[Tool] | None = None) -> str:
+    """The prompt text for ``messages`` (see the module docstring), after the tools' definitions."""
+    out = [] if not tools else [_turn("tools", json.dumps([t.model_dump(exclude_none=True) for t in tools]))]
     for m in messages:
         role = "system" if m.role == "developer" else m.role
-        out.append(f"<|{role}|>\n{content_text(m.content).replace(ROLE_MARK, ESCAPED_MARK)}\n")
+        text = content_text(m.content or "")
+        if m.tool_calls:
+            text += json.dumps([c.function.model_dump() for c in m.tool_calls])
+        out.append(_turn(role, text))
     return "".join(out) + "<|assistant|>\n"
+
+
+def _turn(role: str, text: str) -> str:
+    return f"<|{role}|>\n{text.replace(ROLE_MARK, ESCAPED_MARK)}\n"
 
 
 def encode_text(tok: Tokenizer, text: str) -> list[int]:

@@ -51,10 +51,13 @@ class WaitQueue:
             for r in g:
                 r.send([], "abort")
 
-    def take(self, free: list[tuple[int, int]], per_device: int) -> dict[int, list[Request]]:
+    def take(
+        self, free: list[tuple[int, int]], per_device: int, admit: Callable[[list[Request]], bool] = bool
+    ) -> dict[int, list[Request]]:
         """Up to one group per device of ``free`` ((live slots, device), least loaded first) that
-        has room for it, in arrival order: a group that fits nowhere yet waits, and so does
-        everything behind it. Fully cancelled groups met on the way end with "abort"."""
+        has room for it and that ``admit`` lets in (it reserves what else the group needs), in
+        arrival order: a group that fits nowhere yet waits, and so does everything behind it.
+        Fully cancelled groups met on the way end with "abort"."""
         placed: dict[int, list[Request]] = {}
         with self.cv:
             for used, d in free:
@@ -65,7 +68,7 @@ class WaitQueue:
                         for r in group:
                             r.send([], "abort")
                         continue
-                    if len(group) <= per_device - used:
+                    if len(group) <= per_device - used and admit(group):
                         placed[d] = self._groups.popleft()
                     break
         return placed

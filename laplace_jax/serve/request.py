@@ -11,6 +11,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +25,9 @@ MAX_STOP_IDS = 16  # EOS + up to 15 stop_token_ids per request
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 100.0  # |bias| per token (OpenAI's range); any number of tokens
+
+if TYPE_CHECKING:  # a type only: the automaton is compiled by the server, outside this module
+    from laplace_jax.serve.structured import TokenAutomaton
 
 # (logprob of the token, the top ids, their logprobs): one entry per scored token
 TokenLogprob = tuple[float, list[int], list[float]]
@@ -42,7 +46,8 @@ class SamplingParams:
     own distribution (log-softmax of the raw logits); ``prompt_logprobs`` the same for the
     prompt's tokens. ``max_tokens`` 0 scores the prompt only (needs ``prompt_logprobs``).
     ``return_tokens_as_token_ids``: logprobs name each token "token_id:<id>" instead of its text
-    (so a client can rebuild the exact ids, e.g. for a chat's next turn).
+    (so a client can rebuild the exact ids, e.g. for a chat's next turn). ``automaton``: the
+    output is masked to it on device (structured outputs; EOS only where it accepts).
     """
 
     max_tokens: int = 16
@@ -61,9 +66,12 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False
+    automaton: TokenAutomaton | None = None  # structured outputs: the output follows it (``serve/structured.py``)
 
     def check(self, vocab_size: int) -> None:
         """Raise ``InvalidParamError`` for any field outside its documented range."""
+        if self.automaton is not None and self.automaton.table.shape[1] != vocab_size:
+            raise InvalidParamError("structured_outputs", "the automaton was compiled for another vocabulary")
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
             raise InvalidParamError(
                 "max_tokens", f"max_tokens must be >= 1 (0 only to score the prompt); got {self.max_tokens}"
@@ -228,4 +236,5 @@ def row_params(req: Request, vocab_size: int, eos_id: int, seed: int, impl: str)
         "bias": bias,
         "seen": seen,
         "stop_mask": stop_mask,
+        "gstate": np.int32(-1),  # the scheduler sets the automaton's first table row
     }

@@ -34,6 +34,7 @@ from laplace_jax.profiling import Trace
 from laplace_jax.serve import protocol as pr
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.generation import Generation
+from laplace_jax.serve.grammars import Grammars
 from laplace_jax.serve.metrics import ServeMetrics
 from laplace_jax.serve.middleware import Boundary
 from laplace_jax.serve.protocol import ApiError
@@ -82,23 +83,13 @@ def _parse(raw: bytes, model: type[pydantic.BaseModel]) -> Any:
 
 
 UNSUPPORTED = {  # fields OpenAI or vLLM clients send that this server does not implement, and why
-    "tools": "tool calling",
-    "tool_choice": "tool calling",
-    "functions": "function calling",
-    "function_call": "function calling",
-    "parallel_tool_calls": "tool calling",
+    "functions": "legacy function calling (send tools and tool_choice)",
+    "function_call": "legacy function calling (send tools and tool_choice)",
     "audio": "audio output",
     "modalities": "audio output",
     "use_beam_search": "beam search (n, best_of and seeds sample instead)",
     "length_penalty": "beam search",
     "early_stopping": "beam search",
-    "guided_json": "guided (structured) decoding",
-    "guided_regex": "guided (structured) decoding",
-    "guided_choice": "guided (structured) decoding",
-    "guided_grammar": "guided (structured) decoding",
-    "guided_decoding_backend": "guided (structured) decoding",
-    "guided_whitespace_pattern": "guided (structured) decoding",
-    "structured_outputs": "guided (structured) decoding",
     "allowed_token_ids": "token allow-lists (logit_bias of -100 excludes a token)",
     "bad_words": "bad-word lists (logit_bias of -100 excludes a token)",
     "logits_processors": "custom logits processors",
@@ -126,9 +117,21 @@ UNSUPPORTED = {  # fields OpenAI or vLLM clients send that this server does not 
 }
 
 
+RENAMED = {  # vLLM's older spellings of fields this server takes under their current names
+    "guided_json": "structured_outputs.json",
+    "guided_regex": "structured_outputs.regex",
+    "guided_choice": "structured_outputs.choice",
+    "guided_grammar": "structured_outputs.grammar",
+    "guided_whitespace_pattern": "structured_outputs.whitespace_pattern",
+    "guided_decoding_backend": "structured_outputs (the backend is the server's)",
+}
+
+
 def _unknown(param: str | None, loc: tuple, model: type[pydantic.BaseModel]) -> str:
-    """Why a field is refused: not supported (a known OpenAI feature), or a misspelling (with the
-    nearest field name), or simply unknown."""
+    """Why a field is refused: not supported (a known OpenAI feature), renamed, or a misspelling
+    (with the nearest field name), or simply unknown."""
+    if len(loc) == 1 and param in RENAMED:
+        return f"{param!r} is vLLM's older spelling: send {RENAMED[param]}"
     if len(loc) == 1 and param in UNSUPPORTED:
         return f"{param!r} is not supported: this server does no {UNSUPPORTED[param]}"
     known = model.model_fields if len(loc) == 1 else {}
@@ -164,7 +167,7 @@ class Server:
         self._parsers = ThreadPoolExecutor(PARSERS, thread_name_prefix="parse")
         self.log = log
         defaults = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
-        self.gen = Generation(engine, tokenizer, model_name, defaults, self.off_loop)
+        self.gen = Generation(engine, tokenizer, model_name, defaults, self.off_loop, Grammars(engine, tokenizer))
         self.metrics: ServeMetrics = engine.metrics
         self.metrics.export_vllm_names(model_name)
         self.drain_timeout = cfg.drain_timeout
@@ -384,5 +387,5 @@ class Server:
             body: pr.ChatRequest = await self._body(request, pr.ChatRequest)
             self._check_model(body.model)
             sp = body.to_sampling_params(self.gen.defaults)
-            ids = await self.off_loop(self._encode, pr.chat_prompt(body.messages), "messages")
+            ids = await self.off_loop(self._encode, pr.chat_prompt(body.messages, body.shown_tools()), "messages")
             return await self.gen.respond(request, body, [ids], sp, body.n, chat=True, echo=False)

@@ -30,6 +30,8 @@ class Runner:
         adm = plan.admission
         if adm is not None:
             prompts = {d: g[0].prompt_ids for d, g in adm.groups.items()}
+            for base, table in adm.grammar_writes:  # before the prefill, whose failure only retries the groups
+                self.programs.write_grammar(base, table)
             try:
                 state, logits, out.scores, out.blocks = self.programs.prefill_rows(
                     prompts, adm.score, adm.starts, adm.keep
@@ -55,3 +57,4 @@ class Runner:
         """Forget every executable and rebuild the slot buffers (after a device-loop failure)."""
         self.programs.executables.clear()
         self.programs.slots = self.programs.new_slots()
+        self.programs.grammar = self.programs.new_grammar()

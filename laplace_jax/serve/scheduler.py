@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from laplace_jax.serve.grammar_pool import GrammarPool
 from laplace_jax.serve.plan import Admission, Move, Snapshot, StepOutput, StepPlan, generating
 from laplace_jax.serve.prefix_cache import ENTRY_OVERHEAD_BYTES, PrefixCache
 from laplace_jax.serve.queue import WaitQueue
@@ -84,6 +85,7 @@ class Scheduler:
         max_queue: int,
         prng: str,
         prefix: PrefixCache | None,
+        grammar_rows: int,
         metrics: ServeMetrics | None = None,
     ):
         self.vocab_size, self.eos_id, self.prng, self.metrics = vocab_size, eos_id, prng, metrics
@@ -93,6 +95,8 @@ class Scheduler:
         self._slot_ops: list[Snapshot | Move] = []  # left by the last update, run first by the next plan
         self._retry: collections.deque[dict[int, list[Request]]] = collections.deque()  # groups to prefill alone
         self._seeds = np.random.default_rng()
+        self._reserved: set[Request] = set()
+        self.grammar = GrammarPool(grammar_rows)  # the device's structured-output table rows
 
     def bucket_for(self, n: int) -> int:
         return n if self.buckets is None else next(w for w in self.buckets if w >= n)
@@ -116,13 +120,39 @@ class Scheduler:
         if self._retry:
             placed = self._retry.popleft()
         else:
-            placed = self.queue.take(self.slots.free_devices(), self.slots.per_device)
+            self._reserved = set()  # members let in by this take (their rows are in use)
+            placed = self.queue.take(self.slots.free_devices(), self.slots.per_device, self._grammar_room)
         if placed:
             return StepPlan(ops, admission=self._admission(placed))
         live = self.slots.occupancy()
         if any(live):
             return StepPlan(ops, decode_width=self.bucket_for(max(live)), live=tuple(live))
         return StepPlan(ops)
+
+    def _grammar_room(self, group: list[Request]) -> bool:
+        """Reserve grammar-table rows for a group's constrained members; False (nothing reserved)
+        while the live requests' automata leave no room: the group waits."""
+        live = set(self.slots.live()) | self._reserved
+        for r in group:
+            if r.sampling.automaton is not None and self.grammar.acquire(r.sampling.automaton, r, live) is None:
+                for m in group:
+                    self.grammar.release(m)
+                return False
+            live.add(r)
+        self._reserved.update(group)
+        return True
+
+    def _grammar_rows(self, placed: dict[int, list[Request]]) -> dict[Request, int]:
+        """Each constrained member's first table row (placed again if the table was rebuilt
+        since ``_grammar_room``: a retried group after a device-loop failure)."""
+        rows, live = {}, set(self.slots.live()) | {r for g in placed.values() for r in g}
+        for r in (r for g in placed.values() for r in g):
+            if r.sampling.automaton is not None:
+                row = self.grammar.acquire(r.sampling.automaton, r, live)
+                if row is None:
+                    raise RuntimeError("no room in the structured-output table")
+                rows[r] = row
+        return rows
 
     def _admission(self, placed: dict[int, list[Request]]) -> Admission:
         """Prefill the placed groups' prompts (from their longest cached prefixes) and give each
@@ -135,6 +165,7 @@ class Scheduler:
         prompts = {d: g[0].prompt_ids for d, g in placed.items()}
         starts, keep = self.prefix.plan(prompts) if self.prefix is not None and not score else ({}, {})
         members = generating(placed)
+        grammar_rows = self._grammar_rows(placed)
         inserts = []
         for k in range(max(len(m) for m in members.values())):  # member k of every group, one insert
             where = {}
@@ -144,9 +175,10 @@ class Scheduler:
                     if seed is None:
                         seed = int(self._seeds.integers(0, MAX_SEED, endpoint=True))
                     row = row_params(m[k], self.vocab_size, self.eos_id, seed, self.prng)
+                    row["gstate"] = np.int32(grammar_rows.get(m[k], -1))
                     where[d] = (len(self.slots.rows[d]) + k, row)
             inserts.append(where)
-        return Admission(placed, score, starts, keep, inserts)
+        return Admission(placed, score, starts, keep, inserts, self.grammar.writes())
 
     # ----- closing a step -----------------------------------------------------------------
     def update(self, plan: StepPlan, out: StepOutput) -> None:
@@ -227,5 +259,6 @@ class Scheduler:
         for r in [*self.slots.clear(), *admitting]:
             r.fail(message)
         self._slot_ops = []
+        self.grammar.clear()
         if self.prefix is not None:
             self.prefix.clear()

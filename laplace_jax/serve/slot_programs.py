@@ -5,6 +5,8 @@ row) leads with its slot axis of size D * S, sharded over ``data`` (device d hol
 d*S .. d*S + S - 1); the weights are replicated. Each program is one SPMD executable over all
 D devices (``programs.DevicePrograms`` compiles them at warmup):
 
+  grammar   write rows of the structured-output table [R, V] (replicated on every device): the
+            next state per (state, token) of the automata in use (``serve/structured.py``), int16
   prefill   tokens [D, P] (row d for device d; length 0 = no request) -> states [D], last logits [D, V]
   score     prefill that also scores each position's next token (prompt logprobs: echo, lm-eval)
   insert    row d's prefilled state and sampling row into device d's local slot i_d (i_d < 0: none);
@@ -33,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from laplace_jax.config import ModelConfig
 from laplace_jax.models.gla_lm import decode_step, prefill
 from laplace_jax.platform import key_words
-from laplace_jax.sampling import count_tokens, penalize, sample_rows, token_logprobs
+from laplace_jax.sampling import count_tokens, grammar_limit, grammar_next, penalize, sample_rows, token_logprobs
 
 
 def row_template(prng: str, vocab_size: int) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
@@ -60,6 +62,7 @@ def row_template(prng: str, vocab_size: int) -> dict[str, tuple[tuple[int, ...],
         "stop_mask": ((vocab_size,), jnp.bool_, False),
         "counts": ((vocab_size,), jnp.int32, 0),
         "done": ((), jnp.bool_, True),
+        "gstate": ((), jnp.int32, -1),  # the row's structured-output state (a grammar table row), -1: none
     }
 
 
@@ -77,7 +80,10 @@ REQUEST_FIELDS = (  # set per request at insert; the rest are the decode loop's 
     "bias",
     "seen",
     "stop_mask",
+    "gstate",
 )
+GRAMMAR_BLOCK = 32  # grammar-table rows written per call (one compiled shape)
+GRAMMAR_DTYPE = jnp.int16  # grammar-table entries: a row index or -1 (``ServeConfig.structured_states`` <= 32767)
 
 
 def _split(x: jax.Array, D: int) -> jax.Array:
@@ -92,12 +98,13 @@ def _join(x: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class SlotLayout:
     """What the programs are traced for: the model, the ``data`` mesh over the D devices, the
-    sampling keys' PRNG implementation and the tokens per decode call."""
+    sampling keys' PRNG implementation, the tokens per decode call and the grammar table's rows."""
 
     cfg: ModelConfig
     mesh: Mesh
     prng: str
     steps_per_call: int
+    grammar_rows: int  # rows of the structured-output table (``ServeConfig.structured_states``)
 
     @property
     def D(self) -> int:
@@ -109,6 +116,14 @@ class SlotLayout:
 
     def constrain(self, tree: Any) -> Any:
         return jax.lax.with_sharding_constraint(tree, self.slot_sharding())
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+
+def grammar_program(table_RxV, rows_B, block_BxV):
+    """Write ``block`` into rows ``rows`` of the grammar table (a row index >= R: nothing)."""
+    return table_RxV.at[rows_B].set(block_BxV, mode="drop")
 
 
 def prefill_program(lay: SlotLayout, params, tokens_DxP, state, lengths_D, logits_DxV, next_DxP=None):
@@ -124,12 +139,13 @@ def prefill_program(lay: SlotLayout, params, tokens_DxP, state, lengths_D, logit
     return last, state, token_logprobs(logits, next_DxP)
 
 
-def insert_program(lay: SlotLayout, slots, state_D, logits_DxV, req_D, local_D):
+def insert_program(lay: SlotLayout, slots, grammar_RxV, state_D, logits_DxV, req_D, local_D):
     D, V = lay.D, lay.cfg.vocab_size
     keys = jax.random.wrap_key_data(req_D["key"], impl=lay.prng)
     fresh = dict(req_D, count=jnp.zeros((D,), jnp.int32), counts=jnp.zeros((D, V), jnp.int32))
+    limited = grammar_limit(penalize(logits_DxV, fresh), logits_DxV, grammar_RxV, req_D["gstate"])
     first = sample_rows(
-        penalize(logits_DxV, fresh),
+        limited,
         req_D["temperature"],
         req_D["top_k"],
         req_D["top_p"],
@@ -153,12 +169,13 @@ def insert_program(lay: SlotLayout, slots, state_D, logits_DxV, req_D, local_D):
         count=jnp.ones((D,), jnp.int32),
         counts=count_tokens(fresh["counts"], first, jnp.ones((D,), bool)),
         done=jnp.zeros((D,), bool),
+        gstate=grammar_next(grammar_RxV, req_D["gstate"], first, jnp.ones((D,), bool)),
     )
     rows = {k: put_all(slots["rows"][k], new_rows[k]) for k in slots["rows"]}
     return lay.constrain({"model": model, "rows": rows}), first, token_logprobs(logits_DxV, first)
 
 
-def decode_program(lay: SlotLayout, params, slots, W: int):
+def decode_program(lay: SlotLayout, params, slots, grammar_RxV, W: int):
     D = lay.D
 
     def take(x):  # the first W local slots of every device, flattened to D*W rows
@@ -174,14 +191,16 @@ def decode_program(lay: SlotLayout, params, slots, W: int):
         # a done row keeps its final state (the prefix cache's end entry)
         logits, model = decode_step(lay.cfg, params, r["token"], sub["model"], ~r["done"])
         keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
-        tok = sample_rows(penalize(logits, r), r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
+        limited = grammar_limit(penalize(logits, r), logits, grammar_RxV, r["gstate"])
+        tok = sample_rows(limited, r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
         valid = ~r["done"]
         tok = jnp.where(valid, tok, r["token"])
+        gstate = grammar_next(grammar_RxV, r["gstate"], tok, valid)
         remaining = r["remaining"] - valid
         stop = jnp.take_along_axis(r["stop_mask"], tok[:, None], axis=-1)[:, 0]
         done = r["done"] | (valid & (stop | (remaining <= 0)))
         counts = count_tokens(r["counts"], tok, valid)
-        rows = dict(r, token=tok, count=r["count"] + 1, remaining=remaining, done=done, counts=counts)
+        rows = dict(r, token=tok, count=r["count"] + 1, remaining=remaining, done=done, counts=counts, gstate=gstate)
         return lay.constrain({"model": model, "rows": rows}), (tok, valid, token_logprobs(logits, tok))
 
     sub, (toks, valid, lps) = jax.lax.scan(step, lay.constrain(sub), None, length=lay.steps_per_call)

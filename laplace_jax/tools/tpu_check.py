@@ -210,16 +210,17 @@ def serve_reports(
     from jax.sharding import Mesh
 
     from laplace_jax.models.gla_lm import abstract_params, count_params
-    from laplace_jax.sampling import penalize, sample_rows
+    from laplace_jax.sampling import grammar_limit, grammar_next, penalize, sample_rows
+    from laplace_jax.serve.config import ServeConfig
     from laplace_jax.serve.programs import serving_programs
     from laplace_jax.serve.scheduler import make_buckets
-    from laplace_jax.serve.slot_programs import SlotLayout, row_template
+    from laplace_jax.serve.slot_programs import GRAMMAR_DTYPE, SlotLayout, row_template
     from laplace_jax.tpu import report
 
     cfg = _serving_cfg(config)
     widths = make_buckets(buckets, max_num_seqs) or list(range(1, max_num_seqs + 1))
     mesh = Mesh(np.asarray(devices), ("data",))
-    lay = SlotLayout(cfg, mesh, "threefry2x32", steps)
+    lay = SlotLayout(cfg, mesh, "threefry2x32", steps, ServeConfig().structured_states)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
     n_params = count_params(abstract_params(cfg))  # serving places bf16 weights as they are off CPU
     out = []
@@ -238,14 +239,23 @@ def serve_reports(
     tpl = row_template(lay.prng, V)
     rows = {k: jax.ShapeDtypeStruct((W, *s), d) for k, (s, d, _) in tpl.items()}
 
-    def sampler(logits, r):
+    def sampler(logits, r, table=None):
         keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
-        return sample_rows(penalize(logits, r), r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
+        pen = penalize(logits, r)
+        if table is not None:  # structured outputs' mask and next state (rows at -1: unconstrained)
+            pen = grammar_limit(pen, logits, table, r["gstate"])
+        tok = sample_rows(pen, r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
+        return tok if table is None else (tok, grammar_next(table, r["gstate"], tok, ~r["done"]))
 
     logits = jax.ShapeDtypeStruct((W, V), jnp.float32)
-    row_bytes = sum(np.prod(s.shape) * s.dtype.itemsize for s in rows.values())
+    row_bytes = int(sum(np.prod(s.shape) * s.dtype.itemsize for s in rows.values()))
     compiled = compile_for_tpu(sampler, (logits, rows), devices)
     out.append(report(compiled, chip, f"sampler W={W}", bytes_=W * V * 4 + row_bytes))
+    table = jax.ShapeDtypeStruct((lay.grammar_rows, V), GRAMMAR_DTYPE)
+    compiled = compile_for_tpu(sampler, (logits, rows, table), devices)
+    gathered = W * V * GRAMMAR_DTYPE.dtype.itemsize
+    what = f"sampler W={W} + structured-output mask ({lay.grammar_rows} table rows)"
+    out.append(report(compiled, chip, what, bytes_=W * V * 4 + row_bytes + gathered))
     return out
 
 

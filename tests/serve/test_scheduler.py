@@ -143,6 +143,7 @@ def scheduler(devices=1, per_device=4, buckets="pow2", steps=2, max_queue=64, pr
         max_queue=max_queue,
         prng="threefry2x32",
         prefix=prefix,
+        grammar_rows=64,
     )
 
 

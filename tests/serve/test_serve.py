@@ -178,8 +178,12 @@ def test_bad_requests_get_openai_errors(srv, body, status, param):
         ("/v1/completions", {"max_token": 4}, "unknown parameter 'max_token'; did you mean 'max_tokens'?"),
         ("/v1/completions", {"temprature": 0}, "did you mean 'temperature'?"),
         ("/v1/completions", {"zzz": 1}, "unknown parameter 'zzz'"),
-        ("/v1/chat/completions", {"tools": []}, "'tools' is not supported: this server does no tool calling"),
-        ("/v1/chat/completions", {"functions": []}, "does no function calling"),
+        (
+            "/v1/chat/completions",
+            {"guided_regex": "a"},
+            "'guided_regex' is vLLM's older spelling: send structured_outputs.regex",
+        ),
+        ("/v1/chat/completions", {"functions": []}, "does no legacy function calling (send tools and tool_choice)"),
     ],
 )
 def test_unknown_fields_are_explained(srv, route, body, message):

@@ -1,0 +1,151 @@
+"""Structured outputs: JSON-schema generation against unconstrained generation at the same batch,
+the time to compile each constraint and its automaton's size.
+
+    python -m benchmarks.bench_structured --out benchmarks/results/structured_cpu.json
+
+One engine (the tiny model, random weights, ``--width`` slots, one device) serves ``--width``
+requests of ``--new-tokens`` tokens at once, every one of them constrained to a JSON schema or
+none of them, in turn after a warmup; the ratio is taken pair by pair. Both use ``ignore_eos`` so
+every row decodes exactly ``--new-tokens`` tokens (a constrained row that completes its schema
+keeps sampling the EOS its accepting state allows): the batch, and so the work per step, is the
+same in both. Automaton sizes are given in states and in device bytes (the grammar table's int16
+entries) for the 3B model's vocabulary (50,304 ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+
+from benchmarks.common import write_result
+from laplace_jax.config import load_run_config
+from laplace_jax.data.tokenizer import ByteTokenizer
+from laplace_jax.models.gla_lm import init_params
+from laplace_jax.serve.config import ServeConfig
+from laplace_jax.serve.engine import Engine
+from laplace_jax.serve.request import SamplingParams
+from laplace_jax.serve.slot_programs import GRAMMAR_DTYPE
+from laplace_jax.serve.structured import Compiler, Constraint, OutlinesCore
+
+VOCAB_3B = 50_304
+SCHEMA = {  # a typical extraction schema (strings bounded, an enum, a boolean, an array)
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "category": {"enum": ["book", "film", "music", "game"]},
+        "in_stock": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+        "note": {"type": "string"},
+    },
+    "required": ["name", "category", "in_stock"],
+}
+TOOLS_REQUIRED = {
+    "type": "array",
+    "minItems": 1,
+    "items": {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": n}, "parameters": p},
+                "required": ["name", "parameters"],
+            }
+            for n, p in (
+                (
+                    "weather",
+                    {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+                ),
+                ("search", {"type": "object", "properties": {"query": {"type": "string", "maxLength": 64}}}),
+            )
+        ]
+    },
+}
+CONSTRAINTS = {
+    "json schema (extraction)": Constraint("json", json.dumps(SCHEMA)),
+    "json_object": Constraint("json_object", ""),
+    "tool_choice required (2 tools)": Constraint("json", json.dumps(TOOLS_REQUIRED)),
+    "regex (ISO date)": Constraint("regex", r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"),
+    "choice (4)": Constraint("choice", json.dumps(["positive", "negative", "neutral", "mixed"])),
+}
+
+
+def _sizes(tok: ByteTokenizer, vocab: int) -> dict:
+    out = {}
+    for name, c in CONSTRAINTS.items():
+        compiler = Compiler(OutlinesCore(tok.token_bytes(), tok.eos_id), vocab, tok.eos_id, 1 << 20)
+        t0 = time.perf_counter()
+        a = compiler.compile(c)
+        out[name] = {
+            "compile_s": time.perf_counter() - t0,
+            "states": a.states,
+            "device_bytes_3b_vocab": a.states * VOCAB_3B * GRAMMAR_DTYPE.dtype.itemsize,
+        }
+        print(name, out[name])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/tiny.py")
+    ap.add_argument("--width", type=int, default=8, help="requests at once (= slots)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--steps-per-call", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    cfg = load_run_config(a.config).model
+    tok = ByteTokenizer()
+    if cfg.vocab_size != tok.vocab_size:
+        raise SystemExit(f"{a.config}: the byte tokenizer needs vocab_size 256; got {cfg.vocab_size}")
+    params = init_params(cfg, jax.random.key(0))
+    serve = ServeConfig(devices=1, max_num_seqs=a.width, steps_per_call=a.steps_per_call, prefix_cache_bytes=0)
+    engine = Engine(cfg, params, serve, eos_id=tok.eos_id)
+    engine.warmup()
+    schema = Compiler(OutlinesCore(tok.token_bytes(), tok.eos_id), cfg.vocab_size, tok.eos_id, 4096)
+    automaton = schema.compile(CONSTRAINTS["json schema (extraction)"])
+    prompts = [list(f"item {i}: ".encode()) for i in range(a.width)]
+
+    def run(constrained: bool) -> float:
+        sps = [
+            SamplingParams(
+                max_tokens=a.new_tokens,
+                temperature=1.0,
+                seed=i,
+                ignore_eos=True,
+                automaton=automaton if constrained else None,
+            )
+            for i in range(a.width)
+        ]
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, sps)
+        took = time.perf_counter() - t0
+        assert all(len(o.tokens) == a.new_tokens for o in outs)
+        return took
+
+    run(False), run(True)  # warm: the grammar table's rows written once
+    pairs = [(run(False), run(True)) for _ in range(a.repeats)]
+    plain_s, json_s = (statistics.median(x) for x in zip(*pairs, strict=True))
+    tokens = a.width * a.new_tokens
+    res = {
+        "config": a.config,
+        "width": a.width,
+        "new_tokens": a.new_tokens,
+        "steps_per_call": a.steps_per_call,
+        "structured_states": serve.structured_states,
+        "throughput": {
+            "plain_tok_s": tokens / plain_s,
+            "json_schema_tok_s": tokens / json_s,
+            "ratio": statistics.median(p / j for p, j in pairs),
+            "compiles_while_serving": engine.compiles.total("serving"),
+        },
+        "constraints": _sizes(tok, cfg.vocab_size),
+    }
+    print(res["throughput"])
+    write_result(res, "bench_structured", argv, a.out)
+
+
+if __name__ == "__main__":
+    main()

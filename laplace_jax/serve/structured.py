@@ -1,0 +1,278 @@
+"""Structured outputs: what a request constrains its output to (a JSON schema, a regular
+expression, a list of choices), compiled to a token automaton that the decode loop masks and
+advances on device.
+
+A ``Constraint`` is the request's side (kind, source, whitespace); ``Compiler.compile`` turns it
+into a ``TokenAutomaton``: ``table[s, t]`` is the state after token t in state s, -1 where t is
+not allowed; state 0 is the start; EOS is allowed (a self-loop) in accepting states only. States
+from which no accepting state can be reached are removed, so every state allows at least one
+token and the device never samples from a row the grammar forbids entirely.
+
+The backend (``Backend``) turns a constraint into a regular expression and the expression into
+the automaton over the vocabulary's token bytes; ``OutlinesCore`` does both with outlines-core
+(its ``build_regex_from_schema`` and ``Index``). Compiled automata are cached by the
+constraint's hash, within a byte budget.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import re
+import threading
+import time
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from laplace_jax.errors import InvalidParamError
+
+Kind = Literal["json", "regex", "choice", "json_object"]  # json_object: any JSON object (``json_object_regex``)
+
+# JSON Schema keywords the regex backend cannot enforce: a schema using one is refused, so an
+# output never fails validation against its own schema (drop the keyword or enforce it after)
+UNENFORCED = frozenset(
+    {
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "uniqueItems",
+        "not",
+        "if",
+        "then",
+        "else",
+        "patternProperties",
+        "dependentRequired",
+        "dependentSchemas",
+        "minProperties",
+        "maxProperties",
+        "contains",
+    }
+)
+MAX_SOURCE_CHARS = 65_536  # a schema, regex or choice list longer than this is refused before compiling
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """What the output must match: ``kind`` and its ``source`` (a schema as JSON text, a regex, or
+    the choices as a JSON list); ``whitespace``: the pattern allowed between JSON tokens (None:
+    the backend's default, "" none). ``field`` names the request field, for errors."""
+
+    kind: Kind
+    source: str
+    whitespace: str | None = None
+    field: str = "structured_outputs"
+
+    @property
+    def key(self) -> str:
+        """The compiled-automaton cache's key (the field is not part of it)."""
+        text = json.dumps([self.kind, self.source, self.whitespace])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenAutomaton:
+    """``table`` [states, V]: next state per (state, token), -1 = not allowed; state 0 starts."""
+
+    table: np.ndarray  # [states, V] int32
+    key: str
+    compile_s: float
+
+    @property
+    def states(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes
+
+    def walk(self, ids: list[int], state: int = 0) -> int:
+        """The state after ``ids`` from ``state`` (-1 once a token is not allowed)."""
+        for t in ids:
+            if state < 0:
+                break
+            state = int(self.table[state, t])
+        return state
+
+    def accepting(self, state: int, eos_id: int) -> bool:
+        return state >= 0 and self.table[state, eos_id] == state
+
+
+class Backend(Protocol):
+    name: str
+
+    def regex(self, c: Constraint) -> str: ...
+
+    def transitions(self, regex: str) -> tuple[int, dict[int, dict[int, int]], set[int]]:
+        """(start, {state: {token: next}}, accepting states) over the served vocabulary."""
+        ...
+
+
+class OutlinesCore:
+    """outlines-core: JSON schemas to regexes, regexes to a DFA over token bytes (``Index``)."""
+
+    name = "outlines-core"
+
+    def __init__(self, token_bytes: list[bytes | None], eos_id: int):
+        self.token_bytes, self.eos_id = token_bytes, eos_id
+        self._vocab = None
+
+    def vocabulary(self):
+        if self._vocab is None:
+            from outlines_core import Vocabulary
+
+            by_bytes: dict[bytes, list[int]] = collections.defaultdict(list)
+            for i, b in enumerate(self.token_bytes):
+                if b and i != self.eos_id:
+                    by_bytes[b].append(i)
+            self._vocab = Vocabulary(self.eos_id, dict(by_bytes))
+        return self._vocab
+
+    def regex(self, c: Constraint) -> str:
+        from outlines_core.json_schema import build_regex_from_schema
+
+        if c.kind == "regex":
+            return c.source
+        if c.kind == "choice":
+            return "|".join(f"({re.escape(s)})" for s in json.loads(c.source))
+        if c.kind == "json_object":
+            return json_object_regex(c.whitespace)
+        return build_regex_from_schema(c.source, c.whitespace)
+
+    def transitions(self, regex: str) -> tuple[int, dict[int, dict[int, int]], set[int]]:
+        from outlines_core import Index
+
+        index = Index(regex, self.vocabulary())
+        return index.get_initial_state(), index.get_transitions(), set(index.get_final_states())
+
+
+def json_object_regex(whitespace: str | None) -> str:
+    """Any JSON object two levels deep: its values are scalars, or arrays or objects of scalars
+    (401 automaton states over bytes; arbitrary nesting is not a regular language)."""
+    from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING, WHITESPACE
+
+    w = WHITESPACE if whitespace is None else whitespace
+    scalar = f"({STRING}|{NUMBER}|{BOOLEAN}|{NULL})"
+
+    def obj(value: str) -> str:
+        return rf"\{{{w}({STRING}{w}:{w}{value}({w},{w}{STRING}{w}:{w}{value})*)?{w}\}}"
+
+    array = rf"\[{w}({scalar}({w},{w}{scalar})*)?{w}\]"
+    return obj(f"({scalar}|{obj(scalar)}|{array})")
+
+
+def unenforced_keywords(schema: Any, path: str = "$") -> list[str]:
+    """Paths of the schema keywords in ``UNENFORCED`` (property names are not keywords)."""
+    found = []
+    if isinstance(schema, dict):
+        for k, v in schema.items():
+            if k in ("properties", "$defs", "definitions") and isinstance(v, dict):
+                found += [p for name, sub in v.items() for p in unenforced_keywords(sub, f"{path}.{k}.{name}")]
+            elif k in UNENFORCED:
+                found.append(f"{path}.{k}")
+            else:
+                found += unenforced_keywords(v, f"{path}.{k}")
+    elif isinstance(schema, list):
+        found += [p for i, sub in enumerate(schema) for p in unenforced_keywords(sub, f"{path}[{i}]")]
+    return found
+
+
+def dense(start: int, moves: dict[int, dict[int, int]], finals: set[int], vocab_size: int, eos_id: int) -> np.ndarray:
+    """The [states, V] next-state table: states renumbered from ``start`` (0) in order of
+    discovery, dead states (no accepting state reachable) removed, EOS a self-loop where accepting."""
+    back: dict[int, set[int]] = collections.defaultdict(set)
+    for s, out in moves.items():
+        for n in out.values():
+            back[n].add(s)
+    live, todo = set(finals), list(finals)
+    while todo:
+        for p in back[todo.pop()]:
+            if p not in live:
+                live.add(p)
+                todo.append(p)
+    order, seen = [], {start}
+    todo = [start] if start in live else []
+    while todo:
+        s = todo.pop(0)
+        order.append(s)
+        for n in moves.get(s, {}).values():
+            if n in live and n not in seen:
+                seen.add(n)
+                todo.append(n)
+    index = {s: i for i, s in enumerate(order)}
+    table = np.full((len(order), vocab_size), -1, np.int32)
+    for s, i in index.items():
+        for t, n in moves.get(s, {}).items():
+            if n in index and t != eos_id:
+                table[i, t] = index[n]
+        if s in finals:
+            table[i, eos_id] = i
+    return table
+
+
+class Compiler:
+    """Constraints to ``TokenAutomaton``s for one vocabulary, cached by key within ``cache_bytes``;
+    an automaton over ``max_states`` states is refused (the device pool's bound per request)."""
+
+    def __init__(self, backend: Backend, vocab_size: int, eos_id: int, max_states: int, cache_bytes: int = 256 << 20):
+        self.backend, self.vocab_size, self.eos_id = backend, vocab_size, eos_id
+        self.max_states, self.cache_bytes = max_states, cache_bytes
+        self._cache: collections.OrderedDict[str, TokenAutomaton] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def cached(self, c: Constraint) -> TokenAutomaton | None:
+        with self._lock:
+            a = self._cache.get(c.key)
+            if a is not None:
+                self._cache.move_to_end(c.key)
+            return a
+
+    def compile(self, c: Constraint) -> TokenAutomaton:
+        """The automaton for ``c`` (cached); raises ``InvalidParamError`` naming ``c.field`` for an
+        invalid or unenforceable constraint, or one over ``max_states``."""
+        hit = self.cached(c)
+        if hit is not None:
+            return hit
+        t0 = time.perf_counter()
+        if len(c.source) > MAX_SOURCE_CHARS:
+            raise InvalidParamError(c.field, f"{c.field} is {len(c.source)} characters; at most {MAX_SOURCE_CHARS}")
+        if c.kind == "regex":
+            try:
+                re.compile(c.source)
+            except re.error as e:
+                raise InvalidParamError(c.field, f"{c.field}: not a valid regular expression: {e}") from None
+        if c.kind == "json":
+            bad = unenforced_keywords(json.loads(c.source))
+            if bad:
+                raise InvalidParamError(
+                    c.field,
+                    f"{c.field}: JSON Schema keywords this server cannot enforce while generating: {', '.join(bad)} "
+                    f"(backend {self.backend.name}); remove them and check them on the result",
+                )
+        try:
+            start, moves, finals = self.backend.transitions(self.backend.regex(c))
+        except (ValueError, TypeError, re.error) as e:
+            raise InvalidParamError(c.field, f"{c.field}: {self.backend.name} could not compile it: {e}") from None
+        if len(moves) > self.max_states:
+            raise InvalidParamError(c.field, self._too_big(c, len(moves)))
+        table = dense(start, moves, finals, self.vocab_size, self.eos_id)
+        if table.shape[0] == 0:
+            raise InvalidParamError(c.field, f"{c.field}: no output in this vocabulary can match it")
+        a = TokenAutomaton(table, c.key, time.perf_counter() - t0)
+        with self._lock:
+            self._cache[c.key] = a
+            while sum(x.nbytes for x in self._cache.values()) > self.cache_bytes and len(self._cache) > 1:
+                self._cache.popitem(last=False)
+        return a
+
+    def _too_big(self, c: Constraint, states: int) -> str:
+        mib = states * self.vocab_size * 4 / 2**20
+        return (
+            f"{c.field}: its token automaton has {states} states ({mib:.1f} MiB on device); this server allows "
+            f"{self.max_states} per request (--structured-states): simplify the schema (fewer optional fields, "
+            f"bounded strings) or raise the limit"
+        )

@@ -1,0 +1,284 @@
+"""Structured outputs: token automata against Python's own regex engine, the grammar mask against
+a NumPy reference, the grammar-table pool, and the request contract through the openai client
+(outputs validated with jsonschema)."""
+
+import json
+import re
+
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+from serving_helpers import CFG, PARAMS, TOK, reference_greedy, serve_config
+
+from laplace_jax.data.tokenizer import load_tokenizer
+from laplace_jax.errors import InvalidParamError
+from laplace_jax.sampling import grammar_limit, grammar_next
+from laplace_jax.serve.engine import Engine
+from laplace_jax.serve.grammar_pool import GrammarPool
+from laplace_jax.serve.request import Request, SamplingParams
+from laplace_jax.serve.structured import Compiler, Constraint, OutlinesCore
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["cat", "dog"]},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2},
+    },
+    "required": ["name", "ok", "kind"],
+}
+REGEX = r"(cat|dog)s? [0-9]{2,4}!"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Rome"]}, "metric": {"type": "boolean"}},
+                "required": ["city", "metric"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "noop"}},
+]
+
+
+def byte_compiler(max_states=1024):
+    return Compiler(OutlinesCore(TOK.token_bytes(), TOK.eos_id), 256, TOK.eos_id, max_states)
+
+
+def sample_walk(a, rng, eos_id, limit=20_000):
+    """A random accepted token sequence of automaton ``a`` (EOS taken once accepting, or by chance)."""
+    state, out = 0, []
+    for _ in range(limit):
+        allowed = np.flatnonzero(a.table[state] >= 0)
+        assert len(allowed) > 0, "a live state allows at least one token"
+        t = int(rng.choice(allowed))
+        if t == eos_id:
+            return out
+        out.append(t)
+        state = int(a.table[state, t])
+    pytest.fail("walk did not end")
+
+
+@pytest.mark.parametrize(
+    "kind,source", [("regex", REGEX), ("json", json.dumps(SCHEMA)), ("choice", '["yes","no"]'), ("json_object", "")]
+)
+def test_byte_automaton_accepts_exactly_the_language(kind, source):
+    a = byte_compiler().compile(Constraint(kind, source))
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        text = bytes(sample_walk(a, rng, TOK.eos_id)).decode("utf-8")
+        if kind == "regex":
+            assert re.fullmatch(REGEX, text)
+        elif kind == "json":
+            jsonschema.validate(json.loads(text), SCHEMA)
+        elif kind == "json_object":
+            assert isinstance(json.loads(text), dict)
+        else:
+            assert text in ("yes", "no")
+    for good in ("cat 12!", "dogs 9999!"):  # strings of the language reach an accepting state
+        assert a.accepting(a.walk(list(good.encode())), TOK.eos_id) or kind != "regex"
+    if kind == "regex":
+        for bad in ("cat 1!", "cow 12!", "cat 12345!"):
+            assert not a.accepting(a.walk(list(bad.encode())), TOK.eos_id)
+
+
+def test_bpe_tokens_bytes_and_automaton(tmp_path):
+    """Byte-level BPE: each token's bytes rebuild the text, and multi-byte tokens walk the automaton."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet)
+    bpe.train_from_iterator(['{"kind": "cat", "ok": true} caf\u00e9 12!'] * 50, trainer)
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    tb = tok.token_bytes()
+    text = '{"kind": "dog", "ok": false} caf\u00e9 \u00fc 12!'
+    assert b"".join(tb[i] for i in tok.encode(text)) == text.encode()
+    assert tb[tok.eos_id] is None
+    comp = Compiler(OutlinesCore(tb, tok.eos_id), tok.vocab_size, tok.eos_id, 1024)
+    a = comp.compile(Constraint("regex", r'\{"kind": "(cat|dog)", "ok": (true|false)\}'))
+    ids = tok.encode('{"kind": "cat", "ok": true}')
+    assert len(ids) < len('{"kind": "cat", "ok": true}')  # merged tokens, not bytes
+    assert a.accepting(a.walk(ids), tok.eos_id)
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        out = sample_walk(a, rng, tok.eos_id)
+        assert re.fullmatch(r'\{"kind": "(cat|dog)", "ok": (true|false)\}', b"".join(tb[i] for i in out).decode())
+
+
+def test_compile_errors_name_the_field_and_bounds():
+    comp = byte_compiler(max_states=20)
+    cases = [
+        (Constraint("regex", "(", field="structured_outputs.regex"), "not a valid regular expression"),
+        (Constraint("json", json.dumps({"type": "integer", "maximum": 3}), field="f"), "$.maximum"),
+        (Constraint("json", json.dumps(SCHEMA), field="f"), "states"),
+    ]
+    for c, words in cases:
+        with pytest.raises(InvalidParamError, match=re.escape(words)) as e:
+            comp.compile(c)
+        assert e.value.param == c.field
+    a = comp.compile(Constraint("choice", '["a"]'))
+    assert comp.compile(Constraint("choice", '["a"]')) is a  # cached by hash
+
+
+def test_grammar_limit_against_numpy():
+    rng = np.random.default_rng(0)
+    W, V, R = 4, 16, 3
+    table = rng.integers(-1, R, size=(R, V)).astype(np.int32)
+    table[2] = -1
+    table[2, 5] = 2  # state 2: only token 5 (EOS-like)
+    logits = rng.normal(size=(W, V)).astype(np.float32)
+    pen = logits.copy()
+    pen[3, 5] = -np.inf  # min_tokens masked the only allowed token of row 3
+    g = np.array([-1, 0, 1, 2], np.int32)
+    masked = np.asarray(grammar_limit(jnp.asarray(pen), jnp.asarray(logits), jnp.asarray(table), jnp.asarray(g)))
+    np.testing.assert_array_equal(masked[0], pen[0])  # unconstrained: unchanged, bit for bit
+    for w in (1, 2):
+        np.testing.assert_array_equal(masked[w], np.where(table[g[w]] >= 0, pen[w], -np.inf))
+    np.testing.assert_array_equal(masked[3], np.where(table[2] >= 0, logits[3], -np.inf))  # the grammar wins
+    tok = jnp.asarray([3, int(np.flatnonzero(table[0] >= 0)[0]), int(np.flatnonzero(table[1] >= 0)[0]), 5])
+    after = np.asarray(grammar_next(jnp.asarray(table), jnp.asarray(g), tok, jnp.asarray([True, True, False, True])))
+    assert after.tolist() == [-1, table[0, int(tok[1])], 1, 2]  # row 2 invalid: keeps its state
+    free = np.full((W,), -1, np.int32)  # no row constrained: the table is not read, the logits pass through
+    same = grammar_limit(jnp.asarray(pen), jnp.asarray(logits), jnp.asarray(table), jnp.asarray(free))
+    np.testing.assert_array_equal(np.asarray(same), pen)
+
+
+def test_pool_shares_reuses_and_evicts_only_idle_runs():
+    comp = byte_compiler()
+    a, b = comp.compile(Constraint("regex", REGEX)), comp.compile(Constraint("choice", '["yes","no"]'))
+    pool = GrammarPool(a.states + 2)
+    r1, r2, r3 = (Request([1], SamplingParams(), lambda *_: None) for _ in range(3))
+    assert pool.acquire(a, r1, {r1}) == 0
+    assert pool.writes() == [(0, a.table)] and pool.writes() == []
+    assert pool.acquire(a, r2, {r1, r2}) == 0 and pool.writes() == []  # shared, no second write
+    assert pool.acquire(b, r3, {r1, r2, r3}) is None  # a is live: no room
+    assert pool.acquire(b, r3, {r3}) == 0  # a's requests ended: its run is dropped
+    assert [w[0] for w in pool.writes()] == [0]
+
+
+def test_engine_masks_on_device_and_leaves_unconstrained_rows_alone():
+    eng = Engine(CFG, PARAMS, serve_config(max_num_seqs=4, prefill_chunk=16, steps_per_call=4), eos_id=TOK.eos_id)
+    eng.warmup()
+    comp = byte_compiler()
+    rx, js = comp.compile(Constraint("regex", REGEX)), comp.compile(Constraint("json", json.dumps(SCHEMA)))
+    prompts = [list(b"hello "), list(b"abc"), list(b"xyz"), list(b"q"), list(b"hello ")]
+    sps = [
+        SamplingParams(max_tokens=80, temperature=1.0, seed=1, automaton=rx),
+        SamplingParams(max_tokens=120, temperature=1.0, seed=2, automaton=js),
+        SamplingParams(max_tokens=12, temperature=0.0),
+        SamplingParams(max_tokens=80, temperature=0.0, automaton=js, min_tokens=80),  # the grammar wins
+        SamplingParams(max_tokens=12, temperature=0.0),
+    ]
+    outs = eng.generate(prompts, sps)
+    assert eng.compiles.total("serving") == 0  # (before the reference decode below compiles its own)
+    assert re.fullmatch(REGEX, bytes(outs[0].tokens).decode()) and outs[0].finish_reason == "stop"
+    for o in (outs[1], outs[3]):
+        jsonschema.validate(json.loads(bytes(o.tokens).decode()), SCHEMA)
+        assert o.finish_reason == "stop"
+    assert outs[2].tokens == reference_greedy(prompts[2], 12)
+    assert outs[4].tokens == reference_greedy(prompts[4], 12)
+
+
+def _validate(text, schema):
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_openai_client_gets_valid_structured_outputs_and_tool_calls(srv):
+    """52 requests (n=2, half of them streamed): every output parses and validates."""
+    c = srv.client()
+    chat = [{"role": "user", "content": "go"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+    weather = TOOLS[0]["function"]["parameters"]
+    checked = 0
+    for i in range(13):
+        stream = i % 2 == 1
+        kw = {"model": "tiny", "n": 2, "max_tokens": 150, "temperature": 1.0, "seed": i, "stream": stream}
+        got = _texts(c.chat.completions.create(messages=chat, response_format=fmt, **kw), stream)
+        for text, _ in got:
+            _validate(text, SCHEMA)
+        got = _texts(
+            c.completions.create(prompt="x", extra_body={"structured_outputs": {"regex": REGEX}}, **kw), stream
+        )
+        assert all(re.fullmatch(REGEX, t) for t, _ in got)
+        named = {"type": "function", "function": {"name": "weather"}}
+        for call in _calls(c.chat.completions.create(messages=chat, tools=TOOLS, tool_choice=named, **kw), stream):
+            assert call["name"] == "weather" and call["id"].startswith("call_")
+            _validate(call["arguments"], weather)
+        resp = c.chat.completions.create(
+            messages=chat, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, **kw
+        )
+        for call in _calls(resp, stream):
+            assert call["name"] in ("weather", "noop")
+            _validate(call["arguments"], weather if call["name"] == "weather" else {"type": "object"})
+        checked += 4
+    assert checked == 52
+    assert srv.engine.compiles.total("serving") == 0
+
+
+def _texts(resp, stream):
+    """[(text, finish_reason)] per choice of a completion or chat response, streamed or not."""
+    if not stream:
+        return [(getattr(ch, "text", None) or ch.message.content, ch.finish_reason) for ch in resp.choices]
+    text, finish = {}, {}
+    for chunk in resp:
+        for ch in chunk.choices:
+            piece = ch.text if hasattr(ch, "text") else ch.delta.content
+            text[ch.index] = text.get(ch.index, "") + (piece or "")
+            finish[ch.index] = ch.finish_reason or finish.get(ch.index)
+    assert len(text) == 2 and all(f == "stop" for f in finish.values())
+    return [(text[i], finish[i]) for i in sorted(text)]
+
+
+def _calls(resp, stream):
+    """Every tool call of every choice as {id, name, arguments}, rebuilt from deltas when streamed."""
+    if not stream:
+        assert all(ch.message.content is None and ch.finish_reason in ("stop", "tool_calls") for ch in resp.choices)
+        return [
+            {"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
+            for ch in resp.choices
+            for t in ch.message.tool_calls
+        ]
+    calls = {}
+    for chunk in resp:
+        for ch in chunk.choices:
+            for t in ch.delta.tool_calls or ():
+                cur = calls.setdefault((ch.index, t.index), {"id": None, "name": None, "arguments": ""})
+                cur["id"] = t.id or cur["id"]
+                cur["name"] = t.function.name or cur["name"]
+                cur["arguments"] += t.function.arguments or ""
+    assert {k[0] for k in calls} == {0, 1}
+    return list(calls.values())
+
+
+@pytest.mark.parametrize(
+    "body,words",
+    [
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex: not a valid regular expression"),
+        ({"structured_outputs": {"json": {"type": "integer", "minimum": 3}}}, "$.minimum"),
+        ({"structured_outputs": {"grammar": "start: x"}}, "grammars (Lark/EBNF) are not served"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
+        ({"structured_outputs": {"json": "{bad"}}, "not valid JSON"),
+        ({"guided_json": {}}, "send structured_outputs.json"),
+    ],
+)
+def test_bad_constraints_get_400_naming_the_field(srv, body, words):
+    r = srv.post({"model": "tiny", "prompt": "x", **body})
+    assert r.status_code == 400 and words in r.json()["error"]["message"]
+
+
+def test_tool_choice_auto_and_unknown_function_are_refused(srv):
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+    r = srv.post({**base, "tool_choice": "auto"}, route="/v1/chat/completions")
+    assert r.status_code == 400 and "model-specific tool-call format" in r.json()["error"]["message"]
+    named = {"type": "function", "function": {"name": "nope"}}
+    r = srv.post({**base, "tool_choice": named}, route="/v1/chat/completions")
+    assert r.status_code == 400 and "not in tools" in r.json()["error"]["message"]
