@@ -1,15 +1,18 @@
-"""Structured outputs: JSON-schema generation against unconstrained generation at the same batch,
-the time to compile each constraint and its automaton's size.
+"""Structured outputs: JSON-schema generation (the on-device automaton, and host masks for a schema
+with numeric bounds) against unconstrained generation at the same batch, the time to compile
+each constraint and its automaton's size.
 
     python -m benchmarks.bench_structured --out benchmarks/results/structured_cpu.json
 
 One engine (the tiny model, random weights, ``--width`` slots, one device) serves ``--width``
-requests of ``--new-tokens`` tokens at once, every one of them constrained to a JSON schema or
-none of them, in turn after a warmup; the ratio is taken pair by pair. Both use ``ignore_eos`` so
-every row decodes exactly ``--new-tokens`` tokens (a constrained row that completes its schema
-keeps sampling the EOS its accepting state allows): the batch, and so the work per step, is the
-same in both. Automaton sizes are given in states and in device bytes (the grammar table's int16
-entries) for the 3B model's vocabulary (50,304 ids).
+requests of ``--new-tokens`` tokens at once, all constrained the same way (an on-device JSON-schema
+automaton; host masks for a schema with numeric bounds) or none of them, in turn after a warmup;
+the ratios are taken run by run. All use ``ignore_eos`` so every row decodes exactly
+``--new-tokens`` tokens (a constrained row that completes its schema keeps sampling the EOS its
+accepting state allows): the batch, and so the work per step, is the same in all. A host-masked
+row samples one token per decode call (it waits for the host's next mask), so its rate is about
+1 / --steps-per-call of the others'. Automaton sizes are given in states and in device bytes (the
+grammar table's int16 entries) for the 3B model's vocabulary (50,304 ids).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import statistics
 import time
 
 import jax
+import numpy as np
 
 from benchmarks.common import write_result
 from laplace_jax.config import load_run_config
@@ -29,7 +33,7 @@ from laplace_jax.serve.config import ServeConfig
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.request import SamplingParams
 from laplace_jax.serve.slot_programs import GRAMMAR_DTYPE
-from laplace_jax.serve.structured import Compiler, Constraint, OutlinesCore
+from laplace_jax.serve.structured import Compiler, Constraint, LLGuidance, OutlinesCore
 
 VOCAB_3B = 50_304
 SCHEMA = {  # a typical extraction schema (strings bounded, an enum, a boolean, an array)
@@ -63,6 +67,7 @@ TOOLS_REQUIRED = {
         ]
     },
 }
+BOUNDED = {**SCHEMA, "properties": {**SCHEMA["properties"], "count": {"type": "integer", "minimum": 0, "maximum": 99}}}
 CONSTRAINTS = {
     "json schema (extraction)": Constraint("json", json.dumps(SCHEMA)),
     "json_object": Constraint("json_object", ""),
@@ -72,10 +77,15 @@ CONSTRAINTS = {
 }
 
 
+def _compiler(tok: ByteTokenizer, vocab: int, max_states: int) -> Compiler:
+    tb = tok.token_bytes()
+    return Compiler(OutlinesCore(tb, tok.eos_id), vocab, tok.eos_id, max_states, LLGuidance(tb, tok.eos_id, vocab))
+
+
 def _sizes(tok: ByteTokenizer, vocab: int) -> dict:
     out = {}
     for name, c in CONSTRAINTS.items():
-        compiler = Compiler(OutlinesCore(tok.token_bytes(), tok.eos_id), vocab, tok.eos_id, 1 << 20)
+        compiler = _compiler(tok, vocab, 1 << 20)
         t0 = time.perf_counter()
         a = compiler.compile(c)
         out[name] = {
@@ -85,6 +95,22 @@ def _sizes(tok: ByteTokenizer, vocab: int) -> dict:
         }
         print(name, out[name])
     return out
+
+
+def _mask_us(grammar, eos_id: int, steps: int = 400) -> float:
+    """Median microseconds of one host mask (llguidance) along random walks of ``grammar``."""
+    rng, took = np.random.default_rng(0), []
+    matcher = grammar.matcher()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        allowed = grammar.allowed(matcher)
+        took.append(time.perf_counter() - t0)
+        t = int(rng.choice(np.flatnonzero(allowed)))
+        if t == eos_id:
+            matcher = grammar.matcher()
+        else:
+            matcher.consume_token(t)
+    return statistics.median(took) * 1e6
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,18 +130,22 @@ def main(argv: list[str] | None = None) -> None:
     serve = ServeConfig(devices=1, max_num_seqs=a.width, steps_per_call=a.steps_per_call, prefix_cache_bytes=0)
     engine = Engine(cfg, params, serve, eos_id=tok.eos_id)
     engine.warmup()
-    schema = Compiler(OutlinesCore(tok.token_bytes(), tok.eos_id), cfg.vocab_size, tok.eos_id, 4096)
-    automaton = schema.compile(CONSTRAINTS["json schema (extraction)"])
+    compiler = _compiler(tok, cfg.vocab_size, 4096)
+    automata = {
+        "plain": None,
+        "json_schema": compiler.compile(CONSTRAINTS["json schema (extraction)"]),
+        "host_json_schema": compiler.compile(Constraint("json", json.dumps(BOUNDED))),
+    }
     prompts = [list(f"item {i}: ".encode()) for i in range(a.width)]
 
-    def run(constrained: bool) -> float:
+    def run(kind: str) -> float:
         sps = [
             SamplingParams(
                 max_tokens=a.new_tokens,
                 temperature=1.0,
                 seed=i,
                 ignore_eos=True,
-                automaton=automaton if constrained else None,
+                automaton=automata[kind],
             )
             for i in range(a.width)
         ]
@@ -125,9 +155,9 @@ def main(argv: list[str] | None = None) -> None:
         assert all(len(o.tokens) == a.new_tokens for o in outs)
         return took
 
-    run(False), run(True)  # warm: the grammar table's rows written once
-    pairs = [(run(False), run(True)) for _ in range(a.repeats)]
-    plain_s, json_s = (statistics.median(x) for x in zip(*pairs, strict=True))
+    for kind in automata:  # warm: the grammar table's rows written once
+        run(kind)
+    times = [{kind: run(kind) for kind in automata} for _ in range(a.repeats)]
     tokens = a.width * a.new_tokens
     res = {
         "config": a.config,
@@ -136,14 +166,15 @@ def main(argv: list[str] | None = None) -> None:
         "steps_per_call": a.steps_per_call,
         "structured_states": serve.structured_states,
         "throughput": {
-            "plain_tok_s": tokens / plain_s,
-            "json_schema_tok_s": tokens / json_s,
-            "ratio": statistics.median(p / j for p, j in pairs),
+            **{f"{kind}_tok_s": tokens / statistics.median(t[kind] for t in times) for kind in automata},
+            "ratio": statistics.median(t["plain"] / t["json_schema"] for t in times),
+            "host_ratio": statistics.median(t["plain"] / t["host_json_schema"] for t in times),
             "compiles_while_serving": engine.compiles.total("serving"),
         },
         "constraints": _sizes(tok, cfg.vocab_size),
     }
-    print(res["throughput"])
+    res["host_mask_us"] = _mask_us(automata["host_json_schema"], tok.eos_id)
+    print(res["throughput"], res["host_mask_us"])
     write_result(res, "bench_structured", argv, a.out)
 
 

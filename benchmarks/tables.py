@@ -462,12 +462,16 @@ def _structured(r: dict) -> list[str]:
         [name, f"{c['compile_s'] * 1e3:.1f}", f"{c['states']:,}", f"{c['device_bytes_3b_vocab'] / 2**20:.1f}"]
         for name, c in r["constraints"].items()
     ]
-    speed = [f"W={r['width']}, {r['new_tokens']} tokens per row", "unconstrained tok/s", "JSON schema tok/s",
-             "ratio", "compiles while serving"]  # fmt: skip
+    speed = [f"W={r['width']}, {r['new_tokens']} tokens per row", "unconstrained tok/s",
+             "JSON schema tok/s (on device)", "ratio", "bounded schema tok/s (host masks)", "ratio",
+             "compiles while serving"]  # fmt: skip
     measured = [r["config"], f"{t['plain_tok_s']:,.0f}", f"{t['json_schema_tok_s']:,.0f}", f"{t['ratio']:.2f}x",
+                f"{t['host_json_schema_tok_s']:,.0f}", f"{t['host_ratio']:.2f}x",
                 str(t["compiles_while_serving"])]  # fmt: skip
     return [
         *_grid(speed, [measured]),
+        "",
+        f"One host mask (llguidance, the bounded schema, this vocabulary): {r['host_mask_us']:.1f} us (median).",
         "",
         *_grid(head, rows),
     ]

@@ -1,7 +1,8 @@
 """Which token automata occupy which rows of the device's grammar table (host bookkeeping).
 
 The table ([rows, V], ``slot_programs``) holds the automata of the live constrained requests,
-each in a contiguous run of rows; requests with the same constraint share one run. A run stays
+each in a contiguous run of rows; requests with the same automaton share one run (a host
+grammar's request has its own pair of rows: its key is the request's). A run stays
 after its requests end (the next request with that constraint needs no write) until its rows are
 needed: then the least recently used runs that no live request uses are dropped.
 """
@@ -14,7 +15,7 @@ from collections.abc import Collection
 import numpy as np
 
 from laplace_jax.serve.request import Request
-from laplace_jax.serve.structured import TokenAutomaton
+from laplace_jax.serve.structured import HostGrammar, TokenAutomaton
 
 
 class GrammarPool:
@@ -22,12 +23,14 @@ class GrammarPool:
         self.rows = rows
         self.runs: collections.OrderedDict[str, tuple[int, int]] = collections.OrderedDict()  # key -> (base, n)
         self.users: dict[str, set[Request]] = {}
-        self.unwritten: dict[str, TokenAutomaton] = {}  # runs placed whose rows the device does not hold yet
+        self.unwritten: dict[
+            str, TokenAutomaton | HostGrammar
+        ] = {}  # runs placed whose rows the device does not hold yet
 
     def used_rows(self) -> int:
         return sum(n for _, n in self.runs.values())
 
-    def acquire(self, a: TokenAutomaton, user: Request, live: Collection[Request]) -> int | None:
+    def acquire(self, a: TokenAutomaton | HostGrammar, user: Request, live: Collection[Request]) -> int | None:
         """The first row of ``a``'s run (placed if new: see ``writes``), or None when no room can
         be made (runs used by ``live`` requests are kept)."""
         if a.key in self.runs:
@@ -48,8 +51,12 @@ class GrammarPool:
         return base
 
     def writes(self) -> list[tuple[int, np.ndarray]]:
-        """(first row, table) of every run placed since the last call: the device must write them."""
-        out = [(self.runs[k][0], a.table) for k, a in self.unwritten.items()]
+        """(first row, rows) of every run placed since the last call, its states renumbered to
+        table rows (negative entries kept): the device must write them."""
+        out = []
+        for k, a in self.unwritten.items():
+            base = self.runs[k][0]
+            out.append((base, np.where(a.table >= 0, a.table + base, a.table)))
         self.unwritten.clear()
         return out
 

@@ -10,7 +10,7 @@ from typing import Any
 from laplace_jax.errors import InvalidParamError, UserError
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.protocol import ApiError
-from laplace_jax.serve.structured import Compiler, Constraint, OutlinesCore, TokenAutomaton
+from laplace_jax.serve.structured import Compiler, Constraint, HostGrammar, LLGuidance, OutlinesCore, TokenAutomaton
 
 COMPILERS = 2  # threads compiling constraints at once (a slow one holds one of them, never the event loop)
 
@@ -29,12 +29,13 @@ class Grammars:
                 token_bytes = self.tok.token_bytes()
             except UserError as e:
                 raise ApiError(400, f"structured outputs are not available: {e}") from None
-            backend = OutlinesCore(token_bytes, self.tok.eos_id)
+            backend, V = OutlinesCore(token_bytes, self.tok.eos_id), self.engine.vocab_size
+            host = LLGuidance(token_bytes, self.tok.eos_id, V)
             states = self.engine.serve.structured_states
-            self._compiler = Compiler(backend, self.engine.vocab_size, self.tok.eos_id, states)
+            self._compiler = Compiler(backend, V, self.tok.eos_id, states, host)
         return self._compiler
 
-    async def automaton(self, c: Constraint | None) -> TokenAutomaton | None:
+    async def automaton(self, c: Constraint | None) -> TokenAutomaton | HostGrammar | None:
         """``c`` compiled (or cached) on a compile thread within ``structured_timeout_s``; ApiError
         400 naming the field for an invalid, unenforceable, too large or too slow constraint."""
         if c is None:

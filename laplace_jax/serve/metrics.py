@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metr
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from laplace_jax.serve.structured import TokenAutomaton
+
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -134,9 +136,10 @@ class ServeMetrics:
             self._synced[name] = value
 
     def on_grammar(self, automaton) -> None:
-        """A structured-output automaton was compiled (its compile time and size)."""
+        """A structured-output automaton (or host grammar: no states) was compiled (its compile time and size)."""
         self.grammar_compiles.observe(automaton.compile_s)
-        self.grammar_states.observe(automaton.states)
+        if isinstance(automaton, TokenAutomaton):
+            self.grammar_states.observe(automaton.states)
 
     def on_finish(self, req, reason: str, generated: int) -> None:
         self.finished.labels(reason).inc()

@@ -45,15 +45,13 @@ class Admission:
 
     ``starts[d] = (ids restored, state)``: row d resumes from a prefix-cache entry. ``keep[d]``:
     {ids done: block digest} of the block states to keep (the prefix cache's block entries).
-    ``score``: score every prompt position (prompt logprobs; never resumed). ``grammar_writes``:
-    (first row, automaton table) to write into the grammar table before the inserts."""
+    ``score``: score every prompt position (prompt logprobs; never resumed)."""
 
     groups: dict[int, list[Request]]
     score: bool
     starts: dict[int, tuple[int, Any]]
     keep: dict[int, dict[int, bytes]]
     inserts: list[dict[int, tuple[int, dict[str, np.ndarray]]]]
-    grammar_writes: list[tuple[int, np.ndarray]] = dataclasses.field(default_factory=list)
 
     def requests(self) -> list[Request]:
         return [r for g in self.groups.values() for r in g]
@@ -61,16 +59,18 @@ class Admission:
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """One step: ``slot_ops`` in order, then ``admission`` or a decode at ``decode_width``
-    (``live``: the live slots per device it serves)."""
+    """One step: ``grammar_writes`` ((first row, rows) into the structured-output table: automata
+    placed, host grammars' next masks) and ``slot_ops`` in order, then ``admission`` or a decode at
+    ``decode_width`` (``live``: the live slots per device it serves)."""
 
     slot_ops: tuple[Snapshot | Move, ...] = ()
     admission: Admission | None = None
     decode_width: int | None = None
     live: tuple[int, ...] = ()
+    grammar_writes: tuple[tuple[int, np.ndarray], ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.slot_ops or self.admission or self.decode_width)
+        return bool(self.slot_ops or self.admission or self.decode_width or self.grammar_writes)
 
 
 @dataclasses.dataclass

@@ -214,14 +214,13 @@ class DevicePrograms:
         self.slots, toks, valid, lps = self.executables[("decode", width)](self.params, self.slots, self.grammar)
         return np.asarray(toks), np.asarray(valid), lps
 
-    def write_grammar(self, base: int, table_SxV: np.ndarray) -> None:
-        """Put an automaton's table at rows ``base``.. of the grammar table (its states renumbered
-        to those rows), ``GRAMMAR_BLOCK`` rows per call."""
+    def write_grammar(self, base: int, rows_NxV: np.ndarray) -> None:
+        """Put ``rows`` (entries already table rows, or negative) at rows ``base``.. of the grammar
+        table, ``GRAMMAR_BLOCK`` rows per call."""
         R, V = self.layout.grammar_rows, self.cfg.vocab_size
-        rows = np.where(table_SxV >= 0, table_SxV + base, -1).astype(GRAMMAR_DTYPE)
-        for at in range(0, len(rows), GRAMMAR_BLOCK):
+        for at in range(0, len(rows_NxV), GRAMMAR_BLOCK):
             block = np.full((GRAMMAR_BLOCK, V), -1, GRAMMAR_DTYPE)
-            piece = rows[at : at + GRAMMAR_BLOCK]
+            piece = rows_NxV[at : at + GRAMMAR_BLOCK]
             block[: len(piece)] = piece
             index = np.full((GRAMMAR_BLOCK,), R, np.int32)  # R: past the end, dropped
             index[: len(piece)] = np.arange(base + at, base + at + len(piece))

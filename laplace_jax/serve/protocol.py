@@ -97,7 +97,7 @@ class StructuredOutputs(_Strict):
         kind = given[0]
         ws = "" if self.disable_any_whitespace else self.whitespace_pattern
         if kind == "grammar":
-            raise ApiError(400, f"{field}.grammar: {GRAMMAR_REFUSED}", f"{field}.grammar")
+            return Constraint("grammar", self.grammar, None, f"{field}.grammar")
         if kind == "regex":
             return Constraint("regex", self.regex, None, f"{field}.regex")
         if kind == "choice":
@@ -105,12 +105,6 @@ class StructuredOutputs(_Strict):
         if kind == "json_object":
             return Constraint("json_object", "", ws, f"{field}.json_object")
         return Constraint("json", _schema_text(self.json_, f"{field}.json"), ws, f"{field}.json")
-
-
-GRAMMAR_REFUSED = (
-    "grammars (Lark/EBNF) are not served: this server enforces regular languages on device; send json "
-    "(a schema), regex or choice"
-)
 
 
 def _py(name: str) -> str:

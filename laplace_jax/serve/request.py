@@ -27,7 +27,7 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 100.0  # |bias| per token (OpenAI's range); any number of tokens
 
 if TYPE_CHECKING:  # a type only: the automaton is compiled by the server, outside this module
-    from laplace_jax.serve.structured import TokenAutomaton
+    from laplace_jax.serve.structured import HostGrammar, TokenAutomaton
 
 # (logprob of the token, the top ids, their logprobs): one entry per scored token
 TokenLogprob = tuple[float, list[int], list[float]]
@@ -66,7 +66,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False
-    automaton: TokenAutomaton | None = None  # structured outputs: the output follows it (``serve/structured.py``)
+    # structured outputs: the output follows it (``serve/structured.py``; a host grammar's masks per token)
+    automaton: TokenAutomaton | HostGrammar | None = None
 
     def check(self, vocab_size: int) -> None:
         """Raise ``InvalidParamError`` for any field outside its documented range."""

@@ -21,6 +21,8 @@ class Runner:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         out = StepOutput()
+        for base, rows in plan.grammar_writes:  # first: the inserts and decode read them
+            self.programs.write_grammar(base, rows)
         for op in plan.slot_ops:
             if isinstance(op, Snapshot):
                 out.snapshots.append(self.programs.snapshot(op.slots))
@@ -30,8 +32,6 @@ class Runner:
         adm = plan.admission
         if adm is not None:
             prompts = {d: g[0].prompt_ids for d, g in adm.groups.items()}
-            for base, table in adm.grammar_writes:  # before the prefill, whose failure only retries the groups
-                self.programs.write_grammar(base, table)
             try:
                 state, logits, out.scores, out.blocks = self.programs.prefill_rows(
                     prompts, adm.score, adm.starts, adm.keep

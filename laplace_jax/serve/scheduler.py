@@ -13,14 +13,23 @@ error. With a prefix-state cache (``prefix_cache.py``), a prompt resumes from it
 prefix and prefills only the rest; the prefill leaves block entries and a request that finishes
 ("stop" or "length") leaves its final state. Prompts that ask for prompt logprobs are scored in
 full (every position is needed).
+
+Structured outputs: a constrained request's automaton is placed in the device's grammar table
+before its prefill (``grammar_pool.py``); a group waits while the live requests' automata leave
+no room. A host grammar (``structured.HostGrammar``) gets a matcher here and a pair of rows of its
+own: each update feeds the matcher the tokens its request sampled (one per call: the row waits in
+the other row of its pair after each token) and plans the next mask's write before the next call.
+A host grammar that allows no token ends its request with an error, never an unconstrained sample.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +39,7 @@ from laplace_jax.serve.prefix_cache import ENTRY_OVERHEAD_BYTES, PrefixCache
 from laplace_jax.serve.queue import WaitQueue
 from laplace_jax.serve.request import MAX_SEED, Request, row_params, stop_ids
 from laplace_jax.serve.slots import Slots, accept, read_if
+from laplace_jax.serve.structured import HostGrammar, TokenAutomaton, mask_rows
 
 if TYPE_CHECKING:  # a type only: eval runs the engine without metrics
     from laplace_jax.serve.metrics import ServeMetrics
@@ -97,6 +107,10 @@ class Scheduler:
         self._seeds = np.random.default_rng()
         self._reserved: set[Request] = set()
         self.grammar = GrammarPool(grammar_rows)  # the device's structured-output table rows
+        self.hosts: dict[Request, HostRow] = {}  # live requests under a host grammar
+        self._host_runs: dict[Request, HostGrammar] = {}  # their own pairs of rows (keys of their own)
+        self._run_ids = itertools.count()
+        self._host_writes: list[tuple[int, np.ndarray]] = []  # next masks, for the next plan
 
     def bucket_for(self, n: int) -> int:
         return n if self.buckets is None else next(w for w in self.buckets if w >= n)
@@ -123,18 +137,32 @@ class Scheduler:
             self._reserved = set()  # members let in by this take (their rows are in use)
             placed = self.queue.take(self.slots.free_devices(), self.slots.per_device, self._grammar_room)
         if placed:
-            return StepPlan(ops, admission=self._admission(placed))
+            adm = self._admission(placed)
+            return StepPlan(ops, admission=adm, grammar_writes=self._writes())
         live = self.slots.occupancy()
         if any(live):
-            return StepPlan(ops, decode_width=self.bucket_for(max(live)), live=tuple(live))
-        return StepPlan(ops)
+            width = self.bucket_for(max(live))
+            return StepPlan(ops, decode_width=width, live=tuple(live), grammar_writes=self._writes())
+        return StepPlan(ops, grammar_writes=self._writes())
+
+    def _writes(self) -> tuple[tuple[int, np.ndarray], ...]:
+        """The grammar-table writes due before the next device call (placed runs, then next masks)."""
+        out, self._host_writes = (*self.grammar.writes(), *self._host_writes), []
+        return out
+
+    def _run(self, r: Request) -> TokenAutomaton | HostGrammar | None:
+        """What ``r`` holds in the grammar table: its automaton, or its host grammar's own pair of rows."""
+        a = r.sampling.automaton
+        if isinstance(a, HostGrammar) and r not in self._host_runs:
+            self._host_runs[r] = dataclasses.replace(a, key=f"{a.key}:{next(self._run_ids)}")
+        return self._host_runs.get(r, a)
 
     def _grammar_room(self, group: list[Request]) -> bool:
         """Reserve grammar-table rows for a group's constrained members; False (nothing reserved)
         while the live requests' automata leave no room: the group waits."""
         live = set(self.slots.live()) | self._reserved
         for r in group:
-            if r.sampling.automaton is not None and self.grammar.acquire(r.sampling.automaton, r, live) is None:
+            if r.sampling.automaton is not None and self.grammar.acquire(self._run(r), r, live) is None:
                 for m in group:
                     self.grammar.release(m)
                 return False
@@ -148,10 +176,12 @@ class Scheduler:
         rows, live = {}, set(self.slots.live()) | {r for g in placed.values() for r in g}
         for r in (r for g in placed.values() for r in g):
             if r.sampling.automaton is not None:
-                row = self.grammar.acquire(r.sampling.automaton, r, live)
+                row = self.grammar.acquire(self._run(r), r, live)
                 if row is None:
                     raise RuntimeError("no room in the structured-output table")
                 rows[r] = row
+                if isinstance(r.sampling.automaton, HostGrammar):
+                    self.hosts[r] = HostRow(r.sampling.automaton, r.sampling.automaton.matcher(), row)
         return rows
 
     def _admission(self, placed: dict[int, list[Request]]) -> Admission:
@@ -178,7 +208,7 @@ class Scheduler:
                     row["gstate"] = np.int32(grammar_rows.get(m[k], -1))
                     where[d] = (len(self.slots.rows[d]) + k, row)
             inserts.append(where)
-        return Admission(placed, score, starts, keep, inserts, self.grammar.writes())
+        return Admission(placed, score, starts, keep, inserts)
 
     # ----- closing a step -----------------------------------------------------------------
     def update(self, plan: StepPlan, out: StepOutput) -> None:
@@ -191,6 +221,32 @@ class Scheduler:
             self._admitted(plan.admission, out)
         if out.decoded is not None:
             self._decoded(*out.decoded)
+        if self.hosts:
+            self._host_masks()
+
+    def _host_masks(self) -> None:
+        """Feed each live host-grammar request's new tokens to its matcher and plan its next mask;
+        end a request whose grammar allows no token next."""
+        live = set(self.slots.live())
+        for r in [r for r in self.hosts if r not in live]:
+            del self.hosts[r]
+            self._host_runs.pop(r, None)
+        stuck: dict[int, list[int]] = {}
+        for r, h in self.hosts.items():
+            new, h.consumed = r.sampled[h.consumed :], len(r.sampled)
+            if not new:
+                continue
+            allowed = h.advance(new, self.eos_id)
+            if allowed is None:
+                d = next(d for d, rows in enumerate(self.slots.rows) if r in rows)
+                stuck.setdefault(d, []).append(self.slots.rows[d].index(r))
+                r.fail(f"structured_outputs: the grammar allows no token after {len(r.sampled)} generated")
+                continue
+            h.current = 1 - h.current
+            pair = mask_rows(allowed, h.current)
+            self._host_writes.append((h.base, np.where(pair >= 0, pair + h.base, pair)))
+        if stuck:
+            self._slot_ops += [Move(m) for m in self.slots.free(stuck)]
 
     def _admitted(self, adm: Admission, out: StepOutput) -> None:
         if out.prefill_error is not None:
@@ -260,5 +316,31 @@ class Scheduler:
             r.fail(message)
         self._slot_ops = []
         self.grammar.clear()
+        self.hosts.clear()
+        self._host_runs.clear()
+        self._host_writes = []
         if self.prefix is not None:
             self.prefix.clear()
+
+
+@dataclasses.dataclass(eq=False)
+class HostRow:
+    """A request under a host grammar: its matcher, its pair of table rows (``base``, ``base`` + 1;
+    ``current``: the one holding the mask the device samples from next), the tokens fed so far."""
+
+    grammar: HostGrammar
+    matcher: Any
+    base: int
+    current: int = 0
+    consumed: int = 0
+
+    def advance(self, tokens: list[int], eos_id: int) -> np.ndarray | None:
+        """Feed ``tokens``; the [V] allowed tokens next, or None when none is (or the matcher failed).
+        An EOS in an accepting state is not fed (``ignore_eos`` samples it again: the mask stays)."""
+        for t in tokens:
+            if not (t == eos_id and self.matcher.is_accepting()):
+                self.matcher.consume_token(t)
+        if self.matcher.is_error():
+            return None
+        allowed = self.grammar.allowed(self.matcher)
+        return allowed if allowed.any() else None

@@ -36,6 +36,7 @@ from laplace_jax.config import ModelConfig
 from laplace_jax.models.gla_lm import decode_step, prefill
 from laplace_jax.platform import key_words
 from laplace_jax.sampling import count_tokens, grammar_limit, grammar_next, penalize, sample_rows, token_logprobs
+from laplace_jax.serve.structured import HELD
 
 
 def row_template(prng: str, vocab_size: int) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
@@ -188,12 +189,14 @@ def decode_program(lay: SlotLayout, params, slots, grammar_RxV, W: int):
 
     def step(sub, _):
         r = sub["rows"]
-        # a done row keeps its final state (the prefix cache's end entry)
-        logits, model = decode_step(lay.cfg, params, r["token"], sub["model"], ~r["done"])
+        # a done row keeps its final state (the prefix cache's end entry); a row whose host grammar
+        # has not written its next mask yet (its table row all HELD) waits, state and all
+        held = (r["gstate"] >= 0) & (grammar_RxV[jnp.maximum(r["gstate"], 0), 0] == HELD)
+        valid = ~r["done"] & ~held
+        logits, model = decode_step(lay.cfg, params, r["token"], sub["model"], valid)
         keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
         limited = grammar_limit(penalize(logits, r), logits, grammar_RxV, r["gstate"])
         tok = sample_rows(limited, r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
-        valid = ~r["done"]
         tok = jnp.where(valid, tok, r["token"])
         gstate = grammar_next(grammar_RxV, r["gstate"], tok, valid)
         remaining = r["remaining"] - valid

@@ -1,6 +1,7 @@
 """Structured outputs: what a request constrains its output to (a JSON schema, a regular
-expression, a list of choices), compiled to a token automaton that the decode loop masks and
-advances on device.
+expression, a list of choices, a Lark grammar), compiled to a token automaton that the decode loop
+masks and advances on device, or, past the automaton's reach, to a grammar whose masks the host
+computes per token.
 
 A ``Constraint`` is the request's side (kind, source, whitespace); ``Compiler.compile`` turns it
 into a ``TokenAutomaton``: ``table[s, t]`` is the state after token t in state s, -1 where t is
@@ -10,8 +11,12 @@ token and the device never samples from a row the grammar forbids entirely.
 
 The backend (``Backend``) turns a constraint into a regular expression and the expression into
 the automaton over the vocabulary's token bytes; ``OutlinesCore`` does both with outlines-core
-(its ``build_regex_from_schema`` and ``Index``). Compiled automata are cached by the
-constraint's hash, within a byte budget.
+(its ``build_regex_from_schema`` and ``Index``). A Lark grammar, and a JSON schema with keywords
+a regular expression cannot enforce (``UNENFORCED``: numeric bounds, ``multipleOf``, property
+counts), compile instead to a ``HostGrammar`` (``LLGuidance``: llguidance's parser, which
+gives the allowed tokens of each step): the scheduler keeps one matcher per request and writes
+each next mask into two table rows of its own (``serve/scheduler.py``). Compiled constraints are
+cached by the constraint's hash, within a byte budget.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ import numpy as np
 
 from laplace_jax.errors import InvalidParamError
 
-Kind = Literal["json", "regex", "choice", "json_object"]  # json_object: any JSON object (``json_object_regex``)
+# json_object: any JSON object (``json_object_regex``); grammar: Lark (llguidance's dialect)
+Kind = Literal["json", "regex", "choice", "json_object", "grammar"]
 
-# JSON Schema keywords the regex backend cannot enforce: a schema using one is refused, so an
-# output never fails validation against its own schema (drop the keyword or enforce it after)
+# JSON Schema keywords the regex backend cannot enforce: a schema using one is served by host masks
+# (llguidance), which enforce the numeric bounds and property counts and refuse the rest by name,
+# so an output never fails validation against its own schema
 UNENFORCED = frozenset(
     {
         "minimum",
@@ -100,6 +107,115 @@ class TokenAutomaton:
 
     def accepting(self, state: int, eos_id: int) -> bool:
         return state >= 0 and self.table[state, eos_id] == state
+
+
+HELD = -2  # a grammar-table entry: the row waits for the host's next mask (``HostGrammar``)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostGrammar:
+    """A constraint whose masks the host computes per token: ``grammar`` (llguidance's serialized
+    grammar) for a matcher per request. On device it holds ``states`` = 2 rows per request, in
+    turn the current mask (allowed tokens lead to the other row) and the waiting row (all
+    ``HELD``); ``table`` is the first step's pair, shared by every request of this grammar."""
+
+    grammar: str
+    table: np.ndarray  # [2, V] int32, entries relative to the pair's first row
+    key: str
+    compile_s: float
+    backend: LLGuidance = dataclasses.field(compare=False, repr=False)
+    states = 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes + len(self.grammar)
+
+    def matcher(self):
+        """A new matcher at the grammar's start (one per request)."""
+        return self.backend.matcher(self.grammar)
+
+    def allowed(self, matcher) -> np.ndarray:
+        return self.backend.allowed(matcher)
+
+
+def mask_rows(allowed_V: np.ndarray, current: int) -> np.ndarray:
+    """The pair of table rows for one host step (entries relative to the pair's first row):
+    row ``current`` allows ``allowed`` (leading to the other row), the other row waits."""
+    pair = np.full((2, len(allowed_V)), HELD, np.int32)
+    pair[current] = np.where(allowed_V, 1 - current, -1)
+    return pair
+
+
+class LLGuidance:
+    """llguidance: Lark grammars and JSON schemas to a parser that gives each step's allowed tokens."""
+
+    name = "llguidance"
+
+    def __init__(self, token_bytes: list[bytes | None], eos_id: int, vocab_size: int):
+        self.token_bytes, self.eos_id, self.vocab_size = token_bytes, eos_id, vocab_size
+        self._tok = None
+
+    def tokenizer(self):
+        if self._tok is None:
+            import llguidance
+
+            self._tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab(self.token_bytes, self.eos_id)))
+        return self._tok
+
+    def grammar(self, c: Constraint) -> str:
+        """The serialized grammar for ``c``; raises ``InvalidParamError`` with the parser's message."""
+        from llguidance import LLMatcher
+
+        if c.kind == "grammar":
+            grammar = LLMatcher.grammar_from_lark(c.source)
+        else:  # the whitespace between JSON tokens as the automaton backend allows it
+            from outlines_core.json_schema import WHITESPACE
+
+            ws = WHITESPACE if c.whitespace is None else c.whitespace
+            options = {"whitespace_flexible": bool(ws), "whitespace_pattern": ws or None}
+            grammar = LLMatcher.grammar_from_json_schema(closed(json.loads(c.source)), overrides=options)
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer())
+        if failed or messages:  # a warning names a keyword it would ignore: refused, not silently dropped
+            raise InvalidParamError(c.field, f"{c.field}: {self.name} cannot enforce it: {'; '.join(messages)}")
+        return grammar
+
+    def matcher(self, grammar: str):
+        from llguidance import LLMatcher
+
+        return LLMatcher(self.tokenizer(), grammar, log_level=0)
+
+    def allowed(self, matcher) -> np.ndarray:
+        """[V] bool: the tokens ``matcher`` allows next (EOS only where the grammar accepts)."""
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
+        out = np.zeros((self.vocab_size,), bool)
+        n = min(self.vocab_size, len(self.token_bytes), len(bits))
+        out[:n] = bits[:n]
+        return out
+
+
+class _Vocab:
+    """What ``llguidance.TokenizerWrapper`` reads: each id's bytes (special ids empty) and an
+    encoder (greedy over the bytes: llguidance encodes only the grammar's forced text with it)."""
+
+    bos_token_id = None
+
+    def __init__(self, token_bytes: list[bytes | None], eos_id: int):
+        self.eos_token_id = eos_id
+        self.tokens = [b or b"" for b in token_bytes]
+        self.special_token_ids = [i for i, b in enumerate(token_bytes) if not b]
+        self._by_bytes = {b: i for i, b in enumerate(token_bytes) if b}
+        self._longest = max(map(len, self._by_bytes), default=1)
+
+    def __call__(self, text: bytes) -> list[int]:
+        out, at = [], 0
+        while at < len(text):
+            for n in range(min(self._longest, len(text) - at), 0, -1):  # the longest token that matches here
+                i = self._by_bytes.get(text[at : at + n])
+                if i is not None:
+                    out.append(i)
+                    break
+            at += n  # a byte no token holds is skipped (n = 1)
+        return out
 
 
 class Backend(Protocol):
@@ -181,6 +297,22 @@ def unenforced_keywords(schema: Any, path: str = "$") -> list[str]:
     return found
 
 
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` wherever an object lists its properties and
+    says nothing of others (what the automaton backend generates: only a schema's own properties)."""
+    if isinstance(schema, list):
+        return [closed(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k not in ("properties", "$defs", "definitions") else v for k, v in schema.items()}
+    for k in ("properties", "$defs", "definitions"):
+        if isinstance(schema.get(k), dict):
+            out[k] = {name: closed(sub) for name, sub in schema[k].items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
 def dense(start: int, moves: dict[int, dict[int, int]], finals: set[int], vocab_size: int, eos_id: int) -> np.ndarray:
     """The [states, V] next-state table: states renumbered from ``start`` (0) in order of
     discovery, dead states (no accepting state reachable) removed, EOS a self-loop where accepting."""
@@ -215,25 +347,34 @@ def dense(start: int, moves: dict[int, dict[int, int]], finals: set[int], vocab_
 
 
 class Compiler:
-    """Constraints to ``TokenAutomaton``s for one vocabulary, cached by key within ``cache_bytes``;
-    an automaton over ``max_states`` states is refused (the device pool's bound per request)."""
+    """Constraints to ``TokenAutomaton``s (or, past their reach, ``HostGrammar``s with ``host``) for
+    one vocabulary, cached by key within ``cache_bytes``; an automaton over ``max_states`` states
+    is refused (the device pool's bound per request)."""
 
-    def __init__(self, backend: Backend, vocab_size: int, eos_id: int, max_states: int, cache_bytes: int = 256 << 20):
-        self.backend, self.vocab_size, self.eos_id = backend, vocab_size, eos_id
+    def __init__(
+        self,
+        backend: Backend,
+        vocab_size: int,
+        eos_id: int,
+        max_states: int,
+        host: LLGuidance | None = None,
+        cache_bytes: int = 256 << 20,
+    ):
+        self.backend, self.host, self.vocab_size, self.eos_id = backend, host, vocab_size, eos_id
         self.max_states, self.cache_bytes = max_states, cache_bytes
-        self._cache: collections.OrderedDict[str, TokenAutomaton] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[str, TokenAutomaton | HostGrammar] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def cached(self, c: Constraint) -> TokenAutomaton | None:
+    def cached(self, c: Constraint) -> TokenAutomaton | HostGrammar | None:
         with self._lock:
             a = self._cache.get(c.key)
             if a is not None:
                 self._cache.move_to_end(c.key)
             return a
 
-    def compile(self, c: Constraint) -> TokenAutomaton:
-        """The automaton for ``c`` (cached); raises ``InvalidParamError`` naming ``c.field`` for an
-        invalid or unenforceable constraint, or one over ``max_states``."""
+    def compile(self, c: Constraint) -> TokenAutomaton | HostGrammar:
+        """The automaton (or host grammar) for ``c``, cached; raises ``InvalidParamError`` naming
+        ``c.field`` for an invalid or unenforceable constraint, or an automaton over ``max_states``."""
         hit = self.cached(c)
         if hit is not None:
             return hit
@@ -245,14 +386,17 @@ class Compiler:
                 re.compile(c.source)
             except re.error as e:
                 raise InvalidParamError(c.field, f"{c.field}: not a valid regular expression: {e}") from None
-        if c.kind == "json":
-            bad = unenforced_keywords(json.loads(c.source))
-            if bad:
-                raise InvalidParamError(
-                    c.field,
-                    f"{c.field}: JSON Schema keywords this server cannot enforce while generating: {', '.join(bad)} "
-                    f"(backend {self.backend.name}); remove them and check them on the result",
-                )
+        if c.kind == "grammar" or (c.kind == "json" and unenforced_keywords(json.loads(c.source))):
+            a = self._host(c, t0)
+        else:
+            a = self._automaton(c, t0)
+        with self._lock:
+            self._cache[c.key] = a
+            while sum(x.nbytes for x in self._cache.values()) > self.cache_bytes and len(self._cache) > 1:
+                self._cache.popitem(last=False)
+        return a
+
+    def _automaton(self, c: Constraint, t0: float) -> TokenAutomaton:
         try:
             start, moves, finals = self.backend.transitions(self.backend.regex(c))
         except (ValueError, TypeError, re.error) as e:
@@ -262,12 +406,22 @@ class Compiler:
         table = dense(start, moves, finals, self.vocab_size, self.eos_id)
         if table.shape[0] == 0:
             raise InvalidParamError(c.field, f"{c.field}: no output in this vocabulary can match it")
-        a = TokenAutomaton(table, c.key, time.perf_counter() - t0)
-        with self._lock:
-            self._cache[c.key] = a
-            while sum(x.nbytes for x in self._cache.values()) > self.cache_bytes and len(self._cache) > 1:
-                self._cache.popitem(last=False)
-        return a
+        return TokenAutomaton(table, c.key, time.perf_counter() - t0)
+
+    def _host(self, c: Constraint, t0: float) -> HostGrammar:
+        if self.host is None:
+            raise InvalidParamError(c.field, f"{c.field}: this server has no host grammar backend")
+        try:
+            grammar = self.host.grammar(c)
+        except InvalidParamError as e:
+            if c.kind != "json":
+                raise
+            where = ", ".join(unenforced_keywords(json.loads(c.source)))
+            raise InvalidParamError(c.field, f"{e} (keywords past the on-device automaton: {where})") from None
+        first = self.host.allowed(self.host.matcher(grammar))
+        if not first.any():
+            raise InvalidParamError(c.field, f"{c.field}: no output in this vocabulary can match it")
+        return HostGrammar(grammar, mask_rows(first, 0), c.key, time.perf_counter() - t0, self.host)
 
     def _too_big(self, c: Constraint, states: int) -> str:
         mib = states * self.vocab_size * 4 / 2**20

@@ -364,3 +364,41 @@ def test_reset_fails_the_requests_being_admitted():
     plan = sched.schedule()  # the insert fails on the device
     sched.reset("insert failed", plan)
     assert [g.reason for g in group] == ["error", "error"] and sched.idle()
+
+
+class _DeadEnd:
+    """A host grammar's backend whose grammar allows no token after the first (a matcher stand-in)."""
+
+    def matcher(self, grammar):
+        return self
+
+    def consume_token(self, token):
+        return True
+
+    def is_accepting(self):
+        return False
+
+    def is_error(self):
+        return False
+
+    def allowed(self, matcher):
+        return np.zeros((V,), bool)
+
+
+def test_a_host_grammar_with_no_next_token_ends_its_request_with_an_error_only():
+    """The request fails (never an unconstrained sample), its slot is freed, its pair of table rows
+    was written before its insert, and its neighbour decodes to its reference."""
+    from laplace_jax.serve.structured import HELD, HostGrammar, mask_rows
+
+    grammar = HostGrammar("g", mask_rows(np.ones((V,), bool), 0), "k", 0.0, _DeadEnd())
+    sched, dev = scheduler(per_device=2, steps=3), FakeRunner(1, 2, 3)
+    stuck, plain = Served(prompt(1), max_tokens=8, automaton=grammar), Served(prompt(2), max_tokens=8)
+    sched.queue.put([stuck.req])
+    sched.queue.put([plain.req])
+    plan = step(sched, dev)
+    [(base, rows)] = plan.grammar_writes
+    assert rows.shape == (2, V) and (rows[0] == base + 1).all() and (rows[1] == HELD).all()
+    assert stuck.reason == "error" and "allows no token" in stuck.req.error and stuck.tokens == reference(prompt(1), 1)
+    run(sched, dev)
+    assert plain.tokens == reference(prompt(2), 8) and plain.reason == "length"
+    assert not sched.hosts and sched.slots.occupancy() == [0]

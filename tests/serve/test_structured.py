@@ -17,7 +17,15 @@ from laplace_jax.sampling import grammar_limit, grammar_next
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.grammar_pool import GrammarPool
 from laplace_jax.serve.request import Request, SamplingParams
-from laplace_jax.serve.structured import Compiler, Constraint, OutlinesCore
+from laplace_jax.serve.structured import (
+    HELD,
+    Compiler,
+    Constraint,
+    HostGrammar,
+    LLGuidance,
+    OutlinesCore,
+    TokenAutomaton,
+)
 
 SCHEMA = {
     "type": "object",
@@ -46,8 +54,21 @@ TOOLS = [
 ]
 
 
+LARK = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,3}/'
+LARK_AS_REGEX = r"\([0-9]{1,3}(,[0-9]{1,3})*\)"
+BOUNDED = {  # keywords past a regular expression: served by host masks
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 3, "maximum": 7},
+        "x": {"type": "number", "exclusiveMinimum": 0},
+    },
+    "required": ["n", "x"],
+}
+
+
 def byte_compiler(max_states=1024):
-    return Compiler(OutlinesCore(TOK.token_bytes(), TOK.eos_id), 256, TOK.eos_id, max_states)
+    tb = TOK.token_bytes()
+    return Compiler(OutlinesCore(tb, TOK.eos_id), 256, TOK.eos_id, max_states, LLGuidance(tb, TOK.eos_id, 256))
 
 
 def sample_walk(a, rng, eos_id, limit=20_000):
@@ -118,7 +139,8 @@ def test_compile_errors_name_the_field_and_bounds():
     comp = byte_compiler(max_states=20)
     cases = [
         (Constraint("regex", "(", field="structured_outputs.regex"), "not a valid regular expression"),
-        (Constraint("json", json.dumps({"type": "integer", "maximum": 3}), field="f"), "$.maximum"),
+        (Constraint("json", json.dumps({"type": "array", "uniqueItems": True}), field="f"), "$.uniqueItems"),
+        (Constraint("grammar", "start: foo", field="g"), 'unknown name: "foo"'),
         (Constraint("json", json.dumps(SCHEMA), field="f"), "states"),
     ]
     for c, words in cases:
@@ -158,11 +180,16 @@ def test_pool_shares_reuses_and_evicts_only_idle_runs():
     pool = GrammarPool(a.states + 2)
     r1, r2, r3 = (Request([1], SamplingParams(), lambda *_: None) for _ in range(3))
     assert pool.acquire(a, r1, {r1}) == 0
-    assert pool.writes() == [(0, a.table)] and pool.writes() == []
+    [(base, rows)] = pool.writes()
+    assert base == 0 and np.array_equal(rows, a.table) and pool.writes() == []
     assert pool.acquire(a, r2, {r1, r2}) == 0 and pool.writes() == []  # shared, no second write
     assert pool.acquire(b, r3, {r1, r2, r3}) is None  # a is live: no room
     assert pool.acquire(b, r3, {r3}) == 0  # a's requests ended: its run is dropped
     assert [w[0] for w in pool.writes()] == [0]
+    h = byte_compiler().compile(Constraint("grammar", LARK))
+    assert isinstance(h, HostGrammar) and pool.acquire(h, r1, {r1, r3}) == b.states  # after b's run
+    [(base, rows)] = pool.writes()  # the pair's states renumbered to table rows, HELD kept
+    assert np.array_equal(rows[1], np.full(256, HELD)) and set(rows[0][rows[0] >= 0]) == {base + 1}
 
 
 def test_engine_masks_on_device_and_leaves_unconstrained_rows_alone():
@@ -263,8 +290,8 @@ def _calls(resp, stream):
     "body,words",
     [
         ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex: not a valid regular expression"),
-        ({"structured_outputs": {"json": {"type": "integer", "minimum": 3}}}, "$.minimum"),
-        ({"structured_outputs": {"grammar": "start: x"}}, "grammars (Lark/EBNF) are not served"),
+        ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}, "$.uniqueItems"),
+        ({"structured_outputs": {"grammar": "start: x"}}, "structured_outputs.grammar: llguidance cannot enforce it"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
         ({"structured_outputs": {"json": "{bad"}}, "not valid JSON"),
         ({"guided_json": {}}, "send structured_outputs.json"),
@@ -282,3 +309,47 @@ def test_tool_choice_auto_and_unknown_function_are_refused(srv):
     named = {"type": "function", "function": {"name": "nope"}}
     r = srv.post({**base, "tool_choice": named}, route="/v1/chat/completions")
     assert r.status_code == 400 and "not in tools" in r.json()["error"]["message"]
+
+
+def test_host_grammars_mask_per_token_beside_automata_and_plain_rows():
+    """A Lark grammar and a schema with numeric bounds (llguidance's masks, written by the host
+    between calls) decode in one batch with an automaton row and plain greedy rows: every output
+    is in its language, the plain rows equal the reference, and nothing compiles after warmup."""
+    eng = Engine(CFG, PARAMS, serve_config(max_num_seqs=4, prefill_chunk=16, steps_per_call=4), eos_id=TOK.eos_id)
+    eng.warmup()
+    comp = byte_compiler()
+    lark, bounded = comp.compile(Constraint("grammar", LARK)), comp.compile(Constraint("json", json.dumps(BOUNDED)))
+    rx = comp.compile(Constraint("regex", REGEX))
+    assert isinstance(lark, HostGrammar) and isinstance(bounded, HostGrammar) and isinstance(rx, TokenAutomaton)
+    prompts = [list(b"a"), list(b"b"), list(b"xyz"), list(b"q"), list(b"hello "), list(b"z")]
+    sps = [
+        SamplingParams(max_tokens=60, temperature=1.0, seed=1, automaton=lark),
+        SamplingParams(max_tokens=80, temperature=1.0, seed=2, automaton=bounded),
+        SamplingParams(max_tokens=12, temperature=0.0),
+        SamplingParams(max_tokens=60, temperature=1.0, seed=3, automaton=rx),
+        SamplingParams(max_tokens=12, temperature=0.0),
+        SamplingParams(max_tokens=60, temperature=0.0, automaton=lark, min_tokens=60),  # the grammar wins
+    ]
+    outs = eng.generate(prompts, sps)
+    assert eng.compiles.total("serving") == 0
+    for o in (outs[0], outs[5]):
+        assert re.fullmatch(LARK_AS_REGEX, bytes(o.tokens).decode()) and o.finish_reason == "stop"
+    jsonschema.validate(json.loads(bytes(outs[1].tokens).decode()), BOUNDED)
+    assert re.fullmatch(REGEX, bytes(outs[3].tokens).decode())
+    assert outs[2].tokens == reference_greedy(prompts[2], 12)
+    assert outs[4].tokens == reference_greedy(prompts[4], 12)
+
+
+def test_openai_client_gets_grammar_and_bounded_schema_outputs(srv):
+    c = srv.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "bounded", "schema": BOUNDED}}
+    for stream in (False, True):
+        kw = {"model": "tiny", "n": 2, "max_tokens": 80, "temperature": 1.0, "seed": 5, "stream": stream}
+        got = _texts(
+            c.completions.create(prompt="x", extra_body={"structured_outputs": {"grammar": LARK}}, **kw), stream
+        )
+        assert all(re.fullmatch(LARK_AS_REGEX, t) for t, _ in got)
+        chat = c.chat.completions.create(messages=[{"role": "user", "content": "go"}], response_format=fmt, **kw)
+        for text, _ in _texts(chat, stream):
+            _validate(text, BOUNDED)
+    assert srv.engine.compiles.total("serving") == 0
