@@ -157,8 +157,11 @@ def test_the_tiny_decode_and_serve_programs_report(tmp_path):
     assert "bf16 weights" in plain["program"] and "packed" in packed["program"]
     assert plain["memory"]["aliased"] > 0  # the state is donated
     reps = serve_reports(chip, devices, config, max_num_seqs=4, buckets="pow2", prefill_chunk=64, steps=2)
-    assert [r["program"].split(" ")[0] for r in reps] == ["prefill", "decode", "decode", "decode", "sampler"]
+    assert [r["program"].split(" ")[0] for r in reps] == ["prefill", "decode", "decode", "decode", "sampler", "sampler"]
     assert all(r["estimate"]["seconds"] > 0 and r["limit"]["seconds"] > 0 for r in reps)
+    plain_sampler, masked = reps[-2:]
+    assert "structured-output mask" in masked["program"] and "mask" not in plain_sampler["program"]
+    assert masked["estimate"]["seconds"] >= plain_sampler["estimate"]["seconds"]  # the [W, V] table-row gather
 
 
 def test_decode_writes_each_layers_state_once_and_reads_no_stack():

@@ -5,6 +5,7 @@ a NumPy reference, the grammar-table pool, and the request contract through the 
 import json
 import re
 
+import jax
 import jax.numpy as jnp
 import jsonschema
 import numpy as np
@@ -205,6 +206,13 @@ def test_engine_masks_on_device_and_leaves_unconstrained_rows_alone():
         SamplingParams(max_tokens=80, temperature=0.0, automaton=js, min_tokens=80),  # the grammar wins
         SamplingParams(max_tokens=12, temperature=0.0),
     ]
+    decode = eng.programs.decode
+
+    def on_device_only(width):  # a decode call sends nothing from the host: the masks live on device
+        with jax.transfer_guard_host_to_device("disallow_explicit"):
+            return decode(width)
+
+    eng.programs.decode = on_device_only
     outs = eng.generate(prompts, sps)
     assert eng.compiles.total("serving") == 0  # (before the reference decode below compiles its own)
     assert re.fullmatch(REGEX, bytes(outs[0].tokens).decode()) and outs[0].finish_reason == "stop"
