@@ -361,3 +361,20 @@ def test_openai_client_gets_grammar_and_bounded_schema_outputs(srv):
         for text, _ in _texts(chat, stream):
             _validate(text, BOUNDED)
     assert srv.engine.compiles.total("serving") == 0
+
+
+def test_constrained_logprobs_are_the_models_own_and_cover_every_token(srv):
+    """Logprobs under a grammar (host masks) and an automaton: one entry per generated token, the
+    sampled token's logprob among the model's own (raw, unmasked) distribution's."""
+    c = srv.client()
+    for body in ({"grammar": LARK}, {"regex": REGEX}):
+        r = c.completions.create(
+            model="tiny", prompt="x", max_tokens=40, temperature=1.0, seed=3, logprobs=2, n=2,
+            extra_body={"structured_outputs": body},
+        )  # fmt: skip
+        for ch in r.choices:
+            lp = ch.logprobs
+            assert "".join(lp.tokens) == ch.text and len(lp.token_logprobs) == len(lp.tokens) > 0
+            assert all(x <= 0 for x in lp.token_logprobs) and all(
+                2 <= len(t) <= 3 for t in lp.top_logprobs
+            )  # top 2 (+ the sampled)
