@@ -12,13 +12,14 @@ the ratios are taken run by run. All use ``ignore_eos`` so every row decodes exa
 accepting state allows): the batch, and so the work per step, is the same in all. A host-masked
 row samples one token per decode call (it waits for the host's next mask), so its rate is about
 1 / --steps-per-call of the others'. Automaton sizes are given in states and in device bytes (the
-grammar table's int16 entries) for the 3B model's vocabulary (50,304 ids).
+grammar table's int16 entries, in its tiled layout) for the 3B model's vocabulary (50,304 ids).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 
@@ -29,6 +30,7 @@ from benchmarks.common import write_result
 from laplace_jax.config import load_run_config
 from laplace_jax.data.tokenizer import ByteTokenizer
 from laplace_jax.models.gla_lm import init_params
+from laplace_jax.sampling import grammar_tiles_shape
 from laplace_jax.serve.config import ServeConfig
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.request import SamplingParams
@@ -91,7 +93,7 @@ def _sizes(tok: ByteTokenizer, vocab: int) -> dict:
         out[name] = {
             "compile_s": time.perf_counter() - t0,
             "states": a.states,
-            "device_bytes_3b_vocab": a.states * VOCAB_3B * GRAMMAR_DTYPE.dtype.itemsize,
+            "device_bytes_3b_vocab": math.prod(grammar_tiles_shape(a.states, VOCAB_3B)) * GRAMMAR_DTYPE.dtype.itemsize,
         }
         print(name, out[name])
     return out

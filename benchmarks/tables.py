@@ -463,7 +463,8 @@ def _structured(r: dict) -> list[str]:
         for name, c in r["constraints"].items()
     ]
     speed = [f"W={r['width']}, {r['new_tokens']} tokens per row", "unconstrained tok/s",
-             "JSON schema tok/s (on device)", "ratio", "bounded schema tok/s (host masks)", "ratio",
+             "JSON schema tok/s (on device)", "vs unconstrained", "bounded schema tok/s (host masks)",
+             "vs unconstrained",
              "compiles while serving"]  # fmt: skip
     measured = [r["config"], f"{t['plain_tok_s']:,.0f}", f"{t['json_schema_tok_s']:,.0f}", f"{t['ratio']:.2f}x",
                 f"{t['host_json_schema_tok_s']:,.0f}", f"{t['host_ratio']:.2f}x",
@@ -474,6 +475,28 @@ def _structured(r: dict) -> list[str]:
         f"One host mask (llguidance, the bounded schema, this vocabulary): {r['host_mask_us']:.1f} us (median).",
         "",
         *_grid(head, rows),
+    ]
+
+
+def _structured_tpu(serve: dict, layouts: dict) -> list[str]:
+    decode, plain, masked = (
+        next(r for r in serve["reports"] if r["program"].startswith(start) and (mask in r["program"]) == want)
+        for start, mask, want in (("decode", "mask", False), ("sampler", "mask", False), ("sampler", "mask", True))
+    )
+    head = ["table layout", "shape", "masked sampler (ms)", "over the plain sampler (ms)", "whole-table copies"]
+    rows = [
+        [name, " x ".join(map(str, x["shape"])), f"{x['masked_sampler_s'] * 1e3:.3f}", f"{x['over_plain_s'] * 1e3:.3f}",
+         str(x["table_copies"])]
+        for name, x in layouts["layouts"].items()
+    ]  # fmt: skip
+    return [
+        *_grid(head, rows),
+        "",
+        f"TPU compiler estimates for {layouts['chip']}, W={layouts['width']}, {layouts['states']:,} table rows, "
+        f"vocabulary {layouts['vocab']:,}; plain sampler {layouts['plain_sampler_s'] * 1e3:.3f} ms. Serving (3B, "
+        f"{decode['chip']}, the `tiles` layout): `{decode['program']}` {decode['estimate']['seconds'] * 1e3:.2f} ms "
+        f"per call with the mask's branch counted; the sampler alone {plain['estimate']['seconds'] * 1e3:.3f} ms "
+        f"plain, {masked['estimate']['seconds'] * 1e3:.3f} ms masked.",
     ]
 
 
@@ -1178,6 +1201,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "cluster": (("cluster_cpu.json",), _cluster),
     "speculative": (("speculative_cpu.json",), _speculative),
     "structured": (("structured_cpu.json",), _structured),
+    "structured_tpu": (("structured_tpu.json", "structured_tpu_layouts.json"), _structured_tpu),
     "auto_tpu": (("auto_tpu_kernel.json", "auto_tpu.json"), _auto_tpu),
     "tolerances": (
         ("numerics_kernels.json", "decay_sweep.json", "numerics_recall_1x.json", "numerics_recall_1x_exact.json"),

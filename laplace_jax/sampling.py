@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -42,17 +43,43 @@ def penalize(logits_WxV: Array, rows: dict[str, Array]) -> Array:
     return jnp.where(early & rows["stop_mask"], -jnp.inf, logits)
 
 
-def grammar_limit(pen_WxV: Array, logits_WxV: Array, table_RxV: Array, gstate_W: Array) -> Array:
+LANES, SUBLANES = 128, 16  # the grammar table's tile: a row is [T, 128], T a multiple of 16 (int16's packed tile)
+
+
+def grammar_tiles(table_RxV: np.ndarray) -> np.ndarray:
+    """A [R, V] next-state table in the device's layout [R, T, LANES] (padded with -1): a row
+    gathered per sequence is then whole tiles. By the TPU compiler's estimate this layout adds the
+    least to serving's sampler of any tried (benchmarks/results/structured_tpu_layouts.json): a
+    [R, V] table's row gather costs 8x more, and [R, ceil(V / 128), 128] gets a whole-table copy
+    per call (the compiler lays it out with its middle dimension major)."""
+    R, V = table_RxV.shape
+    shape = grammar_tiles_shape(R, V)
+    padded = np.pad(table_RxV, ((0, 0), (0, shape[1] * LANES - V)), constant_values=-1)
+    return padded.reshape(shape)
+
+
+def grammar_tiles_shape(R: int, V: int) -> tuple[int, int, int]:
+    T = -(-V // LANES)
+    return R, T + (-T % SUBLANES), LANES
+
+
+def grammar_row(table_RxTxL: Array, gstate_W: Array, V: int) -> Array:
+    """[W, V]: the next state per token of each row's grammar state (a row at -1 reads row 0)."""
+    rows = table_RxTxL[jnp.maximum(gstate_W, 0)]
+    return rows.reshape(rows.shape[0], -1)[:, :V]
+
+
+def grammar_limit(pen_WxV: Array, logits_WxV: Array, table_RxTxL: Array, gstate_W: Array) -> Array:
     """Structured outputs' mask (``serve/structured.py``): a row in grammar state ``gstate`` >= 0
-    (a row of ``table``, the next state per token, -1 = not allowed) keeps the penalized logits of
-    the allowed tokens only; a row at -1 is unconstrained and unchanged, bit for bit. When the
-    penalties removed every allowed token (``min_tokens`` holding back an EOS the grammar
-    requires), the grammar wins: the row falls back to the raw logits of the allowed tokens. The
-    table's rows are read only when some row is constrained (a batch without one skips the [W, V]
-    gather)."""
+    (a row of ``table``, the next state per token, -1 = not allowed; ``grammar_tiles``' layout)
+    keeps the penalized logits of the allowed tokens only; a row at -1 is unconstrained and
+    unchanged, bit for bit. When the penalties removed every allowed token (``min_tokens`` holding
+    back an EOS the grammar requires), the grammar wins: the row falls back to the raw logits of
+    the allowed tokens. The table's rows are read only when some row is constrained (a batch
+    without one skips the [W, V] gather)."""
 
     def masked(pen):
-        nxt = table_RxV[jnp.maximum(gstate_W, 0)]
+        nxt = grammar_row(table_RxTxL, gstate_W, pen.shape[-1])
         allowed = (gstate_W < 0)[:, None] | (nxt >= 0)
         out = jnp.where(allowed, pen, -jnp.inf)
         stuck = ~jnp.any(out > -jnp.inf, axis=-1, keepdims=True)
@@ -61,9 +88,9 @@ def grammar_limit(pen_WxV: Array, logits_WxV: Array, table_RxV: Array, gstate_W:
     return jax.lax.cond(jnp.any(gstate_W >= 0), masked, lambda pen: pen, pen_WxV)
 
 
-def grammar_next(table_RxV: Array, gstate_W: Array, token_W: Array, valid_W: Array) -> Array:
+def grammar_next(table_RxTxL: Array, gstate_W: Array, token_W: Array, valid_W: Array) -> Array:
     """Each constrained, valid row's state after ``token``; others keep theirs."""
-    after = table_RxV[jnp.maximum(gstate_W, 0), token_W].astype(gstate_W.dtype)
+    after = table_RxTxL[jnp.maximum(gstate_W, 0), token_W // LANES, token_W % LANES].astype(gstate_W.dtype)
     return jnp.where((gstate_W >= 0) & valid_W, after, gstate_W)
 
 

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from laplace_jax.config import ModelConfig
 from laplace_jax.hlo_stats import gla_kernels
 from laplace_jax.models.gla_lm import init_state, pack_weights
+from laplace_jax.sampling import grammar_tiles, grammar_tiles_shape
 from laplace_jax.serve.slot_programs import (
     GRAMMAR_BLOCK,
     GRAMMAR_DTYPE,
@@ -84,7 +85,7 @@ class DevicePrograms:
     def new_grammar(self) -> jax.Array:
         """An empty structured-output table [grammar_rows, V] (no token allowed), on every device."""
         table = np.full((self.layout.grammar_rows, self.cfg.vocab_size), -1, GRAMMAR_DTYPE)
-        return jax.device_put(table, self.layout.replicated())
+        return jax.device_put(grammar_tiles(table), self.layout.replicated())
 
     # ----- compilation --------------------------------------------------------------------
     def programs(self, widths: Sequence[int]) -> list[tuple]:
@@ -224,7 +225,7 @@ class DevicePrograms:
             block[: len(piece)] = piece
             index = np.full((GRAMMAR_BLOCK,), R, np.int32)  # R: past the end, dropped
             index[: len(piece)] = np.arange(base + at, base + at + len(piece))
-            self.grammar = self.executables[("grammar", self.D)](self.grammar, index, block)
+            self.grammar = self.executables[("grammar", self.D)](self.grammar, index, grammar_tiles(block))
 
     def move(self, moves: dict[int, tuple[int, int]]) -> None:
         """Per device d, copy local slot moves[d][0] into moves[d][1]."""
@@ -262,8 +263,8 @@ def serving_programs(
         "rows": {k: jax.ShapeDtypeStruct((n, *shape), dtype, sharding=rows) for k, (shape, dtype, _) in tpl.items()},
     }
     rep = lay.replicated()
-    table = jax.ShapeDtypeStruct((lay.grammar_rows, V), GRAMMAR_DTYPE, sharding=rep)
-    block = jax.ShapeDtypeStruct((GRAMMAR_BLOCK, V), GRAMMAR_DTYPE, sharding=rep)
+    table = jax.ShapeDtypeStruct(grammar_tiles_shape(lay.grammar_rows, V), GRAMMAR_DTYPE, sharding=rep)
+    block = jax.ShapeDtypeStruct(grammar_tiles_shape(GRAMMAR_BLOCK, V), GRAMMAR_DTYPE, sharding=rep)
     block_rows = jax.ShapeDtypeStruct((GRAMMAR_BLOCK,), jnp.int32, sharding=rep)
     out = [
         ("prefill", D, prefill, (params, tokens, state_D, ints, logits), ()),

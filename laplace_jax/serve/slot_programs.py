@@ -5,8 +5,9 @@ row) leads with its slot axis of size D * S, sharded over ``data`` (device d hol
 d*S .. d*S + S - 1); the weights are replicated. Each program is one SPMD executable over all
 D devices (``programs.DevicePrograms`` compiles them at warmup):
 
-  grammar   write rows of the structured-output table [R, V] (replicated on every device): the
-            next state per (state, token) of the automata in use (``serve/structured.py``), int16
+  grammar   write rows of the structured-output table [R, V / 128, 128] (replicated on every
+            device; ``sampling.grammar_tiles``): the next state per (state, token) of the automata
+            and host grammars in use (``serve/structured.py``), int16
   prefill   tokens [D, P] (row d for device d; length 0 = no request) -> states [D], last logits [D, V]
   score     prefill that also scores each position's next token (prompt logprobs: echo, lm-eval)
   insert    row d's prefilled state and sampling row into device d's local slot i_d (i_d < 0: none);
@@ -122,9 +123,9 @@ class SlotLayout:
         return NamedSharding(self.mesh, P())
 
 
-def grammar_program(table_RxV, rows_B, block_BxV):
+def grammar_program(table_RxTxL, rows_B, block_BxTxL):
     """Write ``block`` into rows ``rows`` of the grammar table (a row index >= R: nothing)."""
-    return table_RxV.at[rows_B].set(block_BxV, mode="drop")
+    return table_RxTxL.at[rows_B].set(block_BxTxL, mode="drop")
 
 
 def prefill_program(lay: SlotLayout, params, tokens_DxP, state, lengths_D, logits_DxV, next_DxP=None):
@@ -140,11 +141,11 @@ def prefill_program(lay: SlotLayout, params, tokens_DxP, state, lengths_D, logit
     return last, state, token_logprobs(logits, next_DxP)
 
 
-def insert_program(lay: SlotLayout, slots, grammar_RxV, state_D, logits_DxV, req_D, local_D):
+def insert_program(lay: SlotLayout, slots, grammar_RxTxL, state_D, logits_DxV, req_D, local_D):
     D, V = lay.D, lay.cfg.vocab_size
     keys = jax.random.wrap_key_data(req_D["key"], impl=lay.prng)
     fresh = dict(req_D, count=jnp.zeros((D,), jnp.int32), counts=jnp.zeros((D, V), jnp.int32))
-    limited = grammar_limit(penalize(logits_DxV, fresh), logits_DxV, grammar_RxV, req_D["gstate"])
+    limited = grammar_limit(penalize(logits_DxV, fresh), logits_DxV, grammar_RxTxL, req_D["gstate"])
     first = sample_rows(
         limited,
         req_D["temperature"],
@@ -170,13 +171,13 @@ def insert_program(lay: SlotLayout, slots, grammar_RxV, state_D, logits_DxV, req
         count=jnp.ones((D,), jnp.int32),
         counts=count_tokens(fresh["counts"], first, jnp.ones((D,), bool)),
         done=jnp.zeros((D,), bool),
-        gstate=grammar_next(grammar_RxV, req_D["gstate"], first, jnp.ones((D,), bool)),
+        gstate=grammar_next(grammar_RxTxL, req_D["gstate"], first, jnp.ones((D,), bool)),
     )
     rows = {k: put_all(slots["rows"][k], new_rows[k]) for k in slots["rows"]}
     return lay.constrain({"model": model, "rows": rows}), first, token_logprobs(logits_DxV, first)
 
 
-def decode_program(lay: SlotLayout, params, slots, grammar_RxV, W: int):
+def decode_program(lay: SlotLayout, params, slots, grammar_RxTxL, W: int):
     D = lay.D
 
     def take(x):  # the first W local slots of every device, flattened to D*W rows
@@ -191,14 +192,14 @@ def decode_program(lay: SlotLayout, params, slots, grammar_RxV, W: int):
         r = sub["rows"]
         # a done row keeps its final state (the prefix cache's end entry); a row whose host grammar
         # has not written its next mask yet (its table row all HELD) waits, state and all
-        held = (r["gstate"] >= 0) & (grammar_RxV[jnp.maximum(r["gstate"], 0), 0] == HELD)
+        held = (r["gstate"] >= 0) & (grammar_RxTxL[jnp.maximum(r["gstate"], 0), 0, 0] == HELD)
         valid = ~r["done"] & ~held
         logits, model = decode_step(lay.cfg, params, r["token"], sub["model"], valid)
         keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
-        limited = grammar_limit(penalize(logits, r), logits, grammar_RxV, r["gstate"])
+        limited = grammar_limit(penalize(logits, r), logits, grammar_RxTxL, r["gstate"])
         tok = sample_rows(limited, r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
         tok = jnp.where(valid, tok, r["token"])
-        gstate = grammar_next(grammar_RxV, r["gstate"], tok, valid)
+        gstate = grammar_next(grammar_RxTxL, r["gstate"], tok, valid)
         remaining = r["remaining"] - valid
         stop = jnp.take_along_axis(r["stop_mask"], tok[:, None], axis=-1)[:, 0]
         done = r["done"] | (valid & (stop | (remaining <= 0)))

@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -210,7 +211,7 @@ def serve_reports(
     from jax.sharding import Mesh
 
     from laplace_jax.models.gla_lm import abstract_params, count_params
-    from laplace_jax.sampling import grammar_limit, grammar_next, penalize, sample_rows
+    from laplace_jax.sampling import grammar_limit, grammar_next, grammar_tiles_shape, penalize, sample_rows
     from laplace_jax.serve.config import ServeConfig
     from laplace_jax.serve.programs import serving_programs
     from laplace_jax.serve.scheduler import make_buckets
@@ -251,7 +252,7 @@ def serve_reports(
     row_bytes = int(sum(np.prod(s.shape) * s.dtype.itemsize for s in rows.values()))
     compiled = compile_for_tpu(sampler, (logits, rows), devices)
     out.append(report(compiled, chip, f"sampler W={W}", bytes_=W * V * 4 + row_bytes))
-    table = jax.ShapeDtypeStruct((lay.grammar_rows, V), GRAMMAR_DTYPE)
+    table = jax.ShapeDtypeStruct(grammar_tiles_shape(lay.grammar_rows, V), GRAMMAR_DTYPE)
     compiled = compile_for_tpu(sampler, (logits, rows, table), devices)
     gathered = W * V * GRAMMAR_DTYPE.dtype.itemsize
     what = f"sampler W={W} + structured-output mask ({lay.grammar_rows} table rows)"
@@ -337,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"topology": a.topology, "command": sys.argv, "reports": reports}, f, indent=2)
+            command = "python -m laplace_jax.tools.tpu_check " + shlex.join(sys.argv[1:])
+            json.dump({"topology": a.topology, "command": command, "reports": reports}, f, indent=2)
     if a.json:
         print(json.dumps(reports, indent=2))
     else:

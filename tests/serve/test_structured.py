@@ -14,7 +14,7 @@ from serving_helpers import CFG, PARAMS, TOK, reference_greedy, serve_config
 
 from laplace_jax.data.tokenizer import load_tokenizer
 from laplace_jax.errors import InvalidParamError
-from laplace_jax.sampling import grammar_limit, grammar_next
+from laplace_jax.sampling import grammar_limit, grammar_next, grammar_tiles
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.grammar_pool import GrammarPool
 from laplace_jax.serve.request import Request, SamplingParams
@@ -154,7 +154,7 @@ def test_compile_errors_name_the_field_and_bounds():
 
 def test_grammar_limit_against_numpy():
     rng = np.random.default_rng(0)
-    W, V, R = 4, 16, 3
+    W, V, R = 4, 200, 3  # two tiles of 128, the second padded
     table = rng.integers(-1, R, size=(R, V)).astype(np.int32)
     table[2] = -1
     table[2, 5] = 2  # state 2: only token 5 (EOS-like)
@@ -162,16 +162,20 @@ def test_grammar_limit_against_numpy():
     pen = logits.copy()
     pen[3, 5] = -np.inf  # min_tokens masked the only allowed token of row 3
     g = np.array([-1, 0, 1, 2], np.int32)
-    masked = np.asarray(grammar_limit(jnp.asarray(pen), jnp.asarray(logits), jnp.asarray(table), jnp.asarray(g)))
+    masked = np.asarray(
+        grammar_limit(jnp.asarray(pen), jnp.asarray(logits), jnp.asarray(grammar_tiles(table)), jnp.asarray(g))
+    )
     np.testing.assert_array_equal(masked[0], pen[0])  # unconstrained: unchanged, bit for bit
     for w in (1, 2):
         np.testing.assert_array_equal(masked[w], np.where(table[g[w]] >= 0, pen[w], -np.inf))
     np.testing.assert_array_equal(masked[3], np.where(table[2] >= 0, logits[3], -np.inf))  # the grammar wins
     tok = jnp.asarray([3, int(np.flatnonzero(table[0] >= 0)[0]), int(np.flatnonzero(table[1] >= 0)[0]), 5])
-    after = np.asarray(grammar_next(jnp.asarray(table), jnp.asarray(g), tok, jnp.asarray([True, True, False, True])))
+    after = np.asarray(
+        grammar_next(jnp.asarray(grammar_tiles(table)), jnp.asarray(g), tok, jnp.asarray([True, True, False, True]))
+    )
     assert after.tolist() == [-1, table[0, int(tok[1])], 1, 2]  # row 2 invalid: keeps its state
     free = np.full((W,), -1, np.int32)  # no row constrained: the table is not read, the logits pass through
-    same = grammar_limit(jnp.asarray(pen), jnp.asarray(logits), jnp.asarray(table), jnp.asarray(free))
+    same = grammar_limit(jnp.asarray(pen), jnp.asarray(logits), jnp.asarray(grammar_tiles(table)), jnp.asarray(free))
     np.testing.assert_array_equal(np.asarray(same), pen)
 
 
