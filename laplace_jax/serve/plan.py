@@ -40,14 +40,18 @@ def generating(groups: dict[int, list[Request]]) -> dict[int, list[Request]]:
 
 @dataclasses.dataclass(frozen=True)
 class Admission:
-    """Prefill ``groups[d][0]``'s prompt on device d (all devices in one call), then copy the
-    state into one slot per member: ``inserts[k][d] = (slot, sampling row)`` for member rank k.
+    """Prefill ``prompts[d]`` (``groups[d][0]``'s prompt, then ``leads[d]``: the tokens its
+    constraint forces at the output's start, emitted as generated) on device d (all devices in one
+    call), then copy the state into one slot per member: ``inserts[k][d] = (slot, sampling row)``
+    for member rank k.
 
     ``starts[d] = (ids restored, state)``: row d resumes from a prefix-cache entry. ``keep[d]``:
     {ids done: block digest} of the block states to keep (the prefix cache's block entries).
     ``score``: score every prompt position (prompt logprobs; never resumed)."""
 
     groups: dict[int, list[Request]]
+    prompts: dict[int, list[int]]
+    leads: dict[int, tuple[int, ...]]
     score: bool
     starts: dict[int, tuple[int, Any]]
     keep: dict[int, dict[int, bytes]]

@@ -211,9 +211,12 @@ def stop_ids(sp: SamplingParams, eos_id: int) -> list[int]:
     return ([] if sp.ignore_eos else [eos_id]) + list(sp.stop_token_ids)
 
 
-def row_params(req: Request, vocab_size: int, eos_id: int, seed: int, impl: str) -> dict[str, np.ndarray]:
+def row_params(
+    req: Request, vocab_size: int, eos_id: int, seed: int, impl: str, generated: int = 0
+) -> dict[str, np.ndarray]:
     """The device's per-slot sampling inputs for ``req`` (its key from ``seed`` for PRNG ``impl``):
-    scalars, and [vocab_size] bias, seen-token and stop masks."""
+    scalars, and [vocab_size] bias, seen-token and stop masks. ``generated``: tokens the request
+    has already been given (jump-forward), which count toward ``max_tokens`` and ``min_tokens``."""
     sp, V = req.sampling, vocab_size
     bias = np.zeros((V,), np.float32)
     if sp.logit_bias:
@@ -229,8 +232,8 @@ def row_params(req: Request, vocab_size: int, eos_id: int, seed: int, impl: str)
         "top_p": np.float32(sp.top_p),
         "min_p": np.float32(sp.min_p),
         "key": prng_key_data(seed, impl),
-        "remaining": np.int32(sp.max_tokens - 1),
-        "min_tokens": np.int32(sp.min_tokens),
+        "remaining": np.int32(sp.max_tokens - 1 - generated),
+        "min_tokens": np.int32(max(sp.min_tokens - generated, 0)),
         "presence": np.float32(sp.presence_penalty),
         "frequency": np.float32(sp.frequency_penalty),
         "repetition": np.float32(sp.repetition_penalty),

@@ -31,10 +31,9 @@ class Runner:
                 self.programs.move(op.moves)
         adm = plan.admission
         if adm is not None:
-            prompts = {d: g[0].prompt_ids for d, g in adm.groups.items()}
             try:
                 state, logits, out.scores, out.blocks = self.programs.prefill_rows(
-                    prompts, adm.score, adm.starts, adm.keep
+                    adm.prompts, adm.score, adm.starts, adm.keep
                 )
             except Exception as e:  # this admission only: the scheduler isolates the failing group
                 out.prefill_error = f"{type(e).__name__}: {e}"

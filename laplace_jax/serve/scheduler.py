@@ -150,19 +150,41 @@ class Scheduler:
         out, self._host_writes = (*self.grammar.writes(), *self._host_writes), []
         return out
 
-    def _run(self, r: Request) -> TokenAutomaton | HostGrammar | None:
-        """What ``r`` holds in the grammar table: its automaton, or its host grammar's own pair of rows."""
+    def _lead(self, group: list[Request]) -> tuple[int, ...]:
+        """Jump-forward: the tokens the group's constraint forces at the output's start, fed with its
+        prompt's prefill instead of one decode step each; none where they would change what a member
+        sees (logprobs, best_of's ranking, penalties, a stop token among them, max_tokens)."""
+        a = group[0].sampling.automaton
+        if a is None or not a.lead:
+            return ()
+        for r in group:
+            sp = r.sampling
+            if (
+                sp.automaton is not a
+                or r.wants_logprobs
+                or sp.prompt_logprobs is not None
+                or len(a.lead) >= sp.max_tokens
+                or (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) != (0.0, 0.0, 1.0)
+                or set(a.lead) & set(stop_ids(sp, self.eos_id))
+            ):
+                return ()
+        return a.lead
+
+    def _run(self, r: Request, lead: bool) -> TokenAutomaton | HostGrammar | None:
+        """What ``r`` holds in the grammar table: its automaton, or its host grammar's own pair of
+        rows (its first mask after the lead when ``lead``)."""
         a = r.sampling.automaton
         if isinstance(a, HostGrammar) and r not in self._host_runs:
-            self._host_runs[r] = dataclasses.replace(a, key=f"{a.key}:{next(self._run_ids)}")
+            table = a.lead_table if lead else a.table
+            self._host_runs[r] = dataclasses.replace(a, key=f"{a.key}:{next(self._run_ids)}", table=table)
         return self._host_runs.get(r, a)
 
     def _grammar_room(self, group: list[Request]) -> bool:
         """Reserve grammar-table rows for a group's constrained members; False (nothing reserved)
         while the live requests' automata leave no room: the group waits."""
-        live = set(self.slots.live()) | self._reserved
+        live, lead = set(self.slots.live()) | self._reserved, bool(self._lead(group))
         for r in group:
-            if r.sampling.automaton is not None and self.grammar.acquire(self._run(r), r, live) is None:
+            if r.sampling.automaton is not None and self.grammar.acquire(self._run(r, lead), r, live) is None:
                 for m in group:
                     self.grammar.release(m)
                 return False
@@ -171,17 +193,19 @@ class Scheduler:
         return True
 
     def _grammar_rows(self, placed: dict[int, list[Request]]) -> dict[Request, int]:
-        """Each constrained member's first table row (placed again if the table was rebuilt
-        since ``_grammar_room``: a retried group after a device-loop failure)."""
+        """Each constrained member's first grammar state (a table row; placed again if the table was
+        rebuilt since ``_grammar_room``: a retried group after a device-loop failure)."""
         rows, live = {}, set(self.slots.live()) | {r for g in placed.values() for r in g}
-        for r in (r for g in placed.values() for r in g):
-            if r.sampling.automaton is not None:
-                row = self.grammar.acquire(self._run(r), r, live)
+        for group in placed.values():
+            lead = self._lead(group)
+            for r in (r for r in group if r.sampling.automaton is not None):
+                a = r.sampling.automaton
+                row = self.grammar.acquire(self._run(r, bool(lead)), r, live)
                 if row is None:
                     raise RuntimeError("no room in the structured-output table")
-                rows[r] = row
-                if isinstance(r.sampling.automaton, HostGrammar):
-                    self.hosts[r] = HostRow(r.sampling.automaton, r.sampling.automaton.matcher(), row)
+                if isinstance(a, HostGrammar):
+                    self.hosts[r] = HostRow(a, a.matcher(bool(lead)), row, consumed=len(lead))
+                rows[r] = row + (a.lead_state if lead and isinstance(a, TokenAutomaton) else 0)
         return rows
 
     def _admission(self, placed: dict[int, list[Request]]) -> Admission:
@@ -192,7 +216,8 @@ class Scheduler:
             r.started_at = now
             r.stops = frozenset(stop_ids(r.sampling, self.eos_id))
         score = any(r.sampling.prompt_logprobs is not None for g in placed.values() for r in g)
-        prompts = {d: g[0].prompt_ids for d, g in placed.items()}
+        leads = {d: self._lead(g) for d, g in placed.items()}
+        prompts = {d: [*g[0].prompt_ids, *leads[d]] for d, g in placed.items()}
         starts, keep = self.prefix.plan(prompts) if self.prefix is not None and not score else ({}, {})
         members = generating(placed)
         grammar_rows = self._grammar_rows(placed)
@@ -204,11 +229,11 @@ class Scheduler:
                     seed = m[k].sampling.seed
                     if seed is None:
                         seed = int(self._seeds.integers(0, MAX_SEED, endpoint=True))
-                    row = row_params(m[k], self.vocab_size, self.eos_id, seed, self.prng)
+                    row = row_params(m[k], self.vocab_size, self.eos_id, seed, self.prng, generated=len(leads[d]))
                     row["gstate"] = np.int32(grammar_rows.get(m[k], -1))
                     where[d] = (len(self.slots.rows[d]) + k, row)
             inserts.append(where)
-        return Admission(placed, score, starts, keep, inserts)
+        return Admission(placed, prompts, leads, score, starts, keep, inserts)
 
     # ----- closing a step -----------------------------------------------------------------
     def update(self, plan: StepPlan, out: StepOutput) -> None:
@@ -277,8 +302,11 @@ class Scheduler:
                 req.first_token_at = now
                 if self.metrics is not None:
                     self.metrics.on_first_token(req)
+                lead = adm.leads[d]  # jump-forward: generated with the prompt (no logprobs were asked for)
+                for t in lead:
+                    accept(req, t, False)
                 reason = accept(req, tok, lp is not None and (float(lp[d]), top_ids[d], top_lp[d]))
-                req.send([] if reason == "stop" else [tok], reason)
+                req.send([*lead, *([] if reason == "stop" else [tok])], reason)
                 self.slots.rows[d].append(req)  # the slot the plan gave it
                 if reason is not None:
                     finished.setdefault(d, []).append(len(self.slots.rows[d]) - 1)

@@ -83,11 +83,15 @@ class Constraint:
 
 @dataclasses.dataclass(frozen=True)
 class TokenAutomaton:
-    """``table`` [states, V]: next state per (state, token), -1 = not allowed; state 0 starts."""
+    """``table`` [states, V]: next state per (state, token), -1 = not allowed; state 0 starts.
+    ``lead``: the tokens it forces from the start (jump-forward: they are fed with the prompt's
+    prefill), ending in state ``lead_state``."""
 
     table: np.ndarray  # [states, V] int32
     key: str
     compile_s: float
+    lead: tuple[int, ...] = ()
+    lead_state: int = 0
 
     @property
     def states(self) -> int:
@@ -110,6 +114,20 @@ class TokenAutomaton:
 
 
 HELD = -2  # a grammar-table entry: the row waits for the host's next mask (``HostGrammar``)
+MAX_LEAD = 64  # forced tokens at an output's start fed with the prompt (jump-forward), at most
+
+
+def forced_run(table_SxV: np.ndarray, eos_id: int, state: int = 0) -> tuple[tuple[int, ...], int]:
+    """The tokens ``table`` forces from ``state`` (each state on the way allows exactly one token,
+    and not EOS), at most ``MAX_LEAD``, and the state after them."""
+    out: list[int] = []
+    while len(out) < MAX_LEAD:
+        allowed = np.flatnonzero(table_SxV[state] >= 0)
+        if len(allowed) != 1 or allowed[0] == eos_id:
+            break
+        out.append(int(allowed[0]))
+        state = int(table_SxV[state, allowed[0]])
+    return tuple(out), state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,15 +142,22 @@ class HostGrammar:
     key: str
     compile_s: float
     backend: LLGuidance = dataclasses.field(compare=False, repr=False)
+    start: Any = dataclasses.field(compare=False, repr=False)  # a matcher at the start, copied per request
+    lead: tuple[int, ...] = ()  # the tokens the grammar forces from the start (jump-forward)
+    lead_table: np.ndarray | None = None  # the first pair after ``lead``
     states = 2
 
     @property
     def nbytes(self) -> int:
         return self.table.nbytes + len(self.grammar)
 
-    def matcher(self):
-        """A new matcher at the grammar's start (one per request)."""
-        return self.backend.matcher(self.grammar)
+    def matcher(self, lead: bool = False):
+        """A new matcher at the grammar's start, or after ``lead`` (one per request; a copy, so the
+        scheduler's thread never builds a grammar: that is the compile's work)."""
+        m = self.start.deep_copy()
+        if lead:
+            m.consume_tokens(list(self.lead))
+        return m
 
     def allowed(self, matcher) -> np.ndarray:
         return self.backend.allowed(matcher)
@@ -406,7 +431,8 @@ class Compiler:
         table = dense(start, moves, finals, self.vocab_size, self.eos_id)
         if table.shape[0] == 0:
             raise InvalidParamError(c.field, f"{c.field}: no output in this vocabulary can match it")
-        return TokenAutomaton(table, c.key, time.perf_counter() - t0)
+        lead, lead_state = forced_run(table, self.eos_id)
+        return TokenAutomaton(table, c.key, time.perf_counter() - t0, lead, lead_state)
 
     def _host(self, c: Constraint, t0: float) -> HostGrammar:
         if self.host is None:
@@ -418,10 +444,17 @@ class Compiler:
                 raise
             where = ", ".join(unenforced_keywords(json.loads(c.source)))
             raise InvalidParamError(c.field, f"{e} (keywords past the on-device automaton: {where})") from None
-        first = self.host.allowed(self.host.matcher(grammar))
+        start = self.host.matcher(grammar)
+        first = self.host.allowed(start)
         if not first.any():
             raise InvalidParamError(c.field, f"{c.field}: no output in this vocabulary can match it")
-        return HostGrammar(grammar, mask_rows(first, 0), c.key, time.perf_counter() - t0, self.host)
+        lead, lead_table = tuple(start.compute_ff_tokens()[:MAX_LEAD]), None
+        if lead:
+            after = start.deep_copy()
+            allowed = self.host.allowed(after) if after.consume_tokens(list(lead)) else None
+            lead, lead_table = (lead, mask_rows(allowed, 0)) if allowed is not None and allowed.any() else ((), None)
+        pair = mask_rows(first, 0)
+        return HostGrammar(grammar, pair, c.key, time.perf_counter() - t0, self.host, start, lead, lead_table)
 
     def _too_big(self, c: Constraint, states: int) -> str:
         mib = states * self.vocab_size * 4 / 2**20

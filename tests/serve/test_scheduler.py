@@ -70,7 +70,7 @@ class FakeRunner:
 
     def _admit(self, adm, out: StepOutput) -> None:
         self.log.append(f"prefill{sorted(adm.groups)}")
-        prompts = {d: g[0].prompt_ids for d, g in adm.groups.items()}
+        prompts = adm.prompts
         if any(tuple(p) in self.bad_prompts for p in prompts.values()):
             out.prefill_error = "ValueError: a bad prompt"
             return
@@ -369,7 +369,7 @@ def test_reset_fails_the_requests_being_admitted():
 class _DeadEnd:
     """A host grammar's backend whose grammar allows no token after the first (a matcher stand-in)."""
 
-    def matcher(self, grammar):
+    def deep_copy(self):
         return self
 
     def consume_token(self, token):
@@ -390,7 +390,8 @@ def test_a_host_grammar_with_no_next_token_ends_its_request_with_an_error_only()
     was written before its insert, and its neighbour decodes to its reference."""
     from laplace_jax.serve.structured import HELD, HostGrammar, mask_rows
 
-    grammar = HostGrammar("g", mask_rows(np.ones((V,), bool), 0), "k", 0.0, _DeadEnd())
+    dead = _DeadEnd()
+    grammar = HostGrammar("g", mask_rows(np.ones((V,), bool), 0), "k", 0.0, dead, dead)
     sched, dev = scheduler(per_device=2, steps=3), FakeRunner(1, 2, 3)
     stuck, plain = Served(prompt(1), max_tokens=8, automaton=grammar), Served(prompt(2), max_tokens=8)
     sched.queue.put([stuck.req])
@@ -402,3 +403,27 @@ def test_a_host_grammar_with_no_next_token_ends_its_request_with_an_error_only()
     run(sched, dev)
     assert plain.tokens == reference(prompt(2), 8) and plain.reason == "length"
     assert not sched.hosts and sched.slots.occupancy() == [0]
+
+
+def test_jump_forward_emits_the_forced_start_and_counts_it_toward_max_tokens():
+    """An automaton's lead is prefilled with the prompt and emitted first; a member that asked for
+    logprobs (or anything a lead would change) decodes it instead."""
+    from laplace_jax.serve.structured import TokenAutomaton
+
+    table = np.full((3, V), -1, np.int32)
+    table[0, 5], table[1, 6], table[2, :] = 1, 2, 2  # forces 5, 6, then anything
+    a = TokenAutomaton(table, "k", 0.0, lead=(5, 6), lead_state=2)
+    sched, dev = scheduler(per_device=2, steps=3), FakeRunner(1, 2, 3)
+    jumped, plain = (
+        Served(prompt(1), max_tokens=8, automaton=a),
+        Served(prompt(1), max_tokens=8, automaton=a, logprobs=1),
+    )
+    sched.queue.put([jumped.req])
+    sched.queue.put([plain.req])
+    plan = step(sched, dev)
+    assert plan.admission.prompts == {0: [*prompt(1), 5, 6]} and jumped.tokens[:3] == [5, 6, rule([*prompt(1), 5, 6])]
+    [row] = [r for _, r in plan.admission.inserts[0].values()]
+    assert row["remaining"] == 8 - 1 - 2 and row["gstate"] == 0 + 2  # the run's base + the lead's state
+    run(sched, dev)
+    assert jumped.tokens == [5, 6, *reference([*prompt(1), 5, 6], 6)] and jumped.reason == "length"
+    assert plain.tokens == reference(prompt(1), 8)  # the fake device does not mask: decoded from the prompt

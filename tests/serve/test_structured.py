@@ -382,3 +382,54 @@ def test_constrained_logprobs_are_the_models_own_and_cover_every_token(srv):
             assert all(x <= 0 for x in lp.token_logprobs) and all(
                 2 <= len(t) <= 3 for t in lp.top_logprobs
             )  # top 2 (+ the sampled)
+
+
+def masked_greedy(ids, a, n, eos_id=TOK.eos_id):
+    """An independent reference: the model's recurrent path over the prompt, then argmax over the
+    tokens automaton ``a`` allows (NumPy), until EOS or n tokens."""
+    from laplace_jax.models.gla_lm import decode_step, init_state
+
+    step = jax.jit(decode_step, static_argnums=0)
+    state, s, out = init_state(CFG, 1), 0, []
+    for t in ids:
+        logits, state = step(CFG, PARAMS, jnp.asarray([t]), state)
+    for _ in range(n):
+        t = int(np.argmax(np.where(a.table[s] >= 0, np.asarray(logits[0]), -np.inf)))
+        if t == eos_id:
+            break
+        out.append(t)
+        s = int(a.table[s, t])
+        logits, state = step(CFG, PARAMS, jnp.asarray([t]), state)
+    return out
+
+
+def test_jump_forward_feeds_the_forced_start_with_the_prompt_and_changes_no_greedy_token():
+    comp = byte_compiler()
+    answer = comp.compile(Constraint("regex", r"The answer is (yes|no)\. [a-z]{1,9}!"))
+    compact = comp.compile(Constraint("json", json.dumps(SCHEMA), ""))  # no whitespace: '{"name":"' is forced
+    assert bytes(answer.lead) == b"The answer is " and answer.lead_state == answer.walk(list(answer.lead))
+    assert bytes(compact.lead) == b'{"name":"'
+    eng = Engine(CFG, PARAMS, serve_config(max_num_seqs=4, prefill_chunk=16, steps_per_call=4), eos_id=TOK.eos_id)
+    eng.warmup()
+    fed = []
+    prefill_rows = eng.programs.prefill_rows
+
+    def spy(prompts, *args):
+        fed.extend(prompts.values())
+        return prefill_rows(prompts, *args)
+
+    eng.programs.prefill_rows = spy
+    prompts = [list(b"Q: "), list(b"{"), list(b"Q: ")]
+    sps = [
+        SamplingParams(max_tokens=40, temperature=0.0, automaton=answer),
+        SamplingParams(max_tokens=60, temperature=0.0, automaton=compact),
+        SamplingParams(max_tokens=40, temperature=0.0, automaton=answer, logprobs=1),  # logprobs: no jump
+    ]
+    outs = eng.generate(prompts, sps)
+    assert eng.compiles.total("serving") == 0
+    for p, a, o in zip(prompts, (answer, compact, answer), outs, strict=True):
+        assert o.tokens == masked_greedy(p, a, 60 if a is compact else 40) and o.finish_reason == "stop"
+    assert outs[2].tokens == outs[0].tokens and len(outs[2].logprobs) == len(outs[2].tokens)
+    assert sorted(map(tuple, fed)) == sorted(
+        [(*prompts[0], *answer.lead), (*prompts[1], *compact.lead), tuple(prompts[2])]
+    )  # the forced starts rode the prefill; the request with logprobs decoded them one by one
