@@ -5,7 +5,7 @@ row) leads with its slot axis of size D * S, sharded over ``data`` (device d hol
 d*S .. d*S + S - 1); the weights are replicated. Each program is one SPMD executable over all
 D devices (``programs.DevicePrograms`` compiles them at warmup):
 
-  grammar   write rows of the structured-output table [R, V / 128, 128] (replicated on every
+  grammar   write rows of the structured-output table [R, T, 128] (replicated on every
             device; ``sampling.grammar_tiles``): the next state per (state, token) of the automata
             and host grammars in use (``serve/structured.py``), int16
   prefill   tokens [D, P] (row d for device d; length 0 = no request) -> states [D], last logits [D, V]
@@ -13,7 +13,8 @@ D devices (``programs.DevicePrograms`` compiles them at warmup):
   insert    row d's prefilled state and sampling row into device d's local slot i_d (i_d < 0: none);
             samples the first tokens (and their logprobs)
   decode[W] ``steps`` tokens (and their logprobs) for the first W local slots of every device
-            (W: the per-device bucket)
+            (W: the per-device bucket); a step at which no row is live (each is done, or waits for
+            its host grammar's next mask) skips the model
   move      per device, copy local slot src_d into dst_d (compaction; src_d == dst_d: nothing)
   snapshot  per device, a copy of local slot i_d's model state (the prefix cache's end entries)
 
@@ -194,23 +195,39 @@ def decode_program(lay: SlotLayout, params, slots, grammar_RxTxL, W: int):
         # has not written its next mask yet (its table row all HELD) waits, state and all
         held = (r["gstate"] >= 0) & (grammar_RxTxL[jnp.maximum(r["gstate"], 0), 0, 0] == HELD)
         valid = ~r["done"] & ~held
-        logits, model = decode_step(lay.cfg, params, r["token"], sub["model"], valid)
-        keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
-        limited = grammar_limit(penalize(logits, r), logits, grammar_RxTxL, r["gstate"])
-        tok = sample_rows(limited, r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
-        tok = jnp.where(valid, tok, r["token"])
-        gstate = grammar_next(grammar_RxTxL, r["gstate"], tok, valid)
-        remaining = r["remaining"] - valid
-        stop = jnp.take_along_axis(r["stop_mask"], tok[:, None], axis=-1)[:, 0]
-        done = r["done"] | (valid & (stop | (remaining <= 0)))
-        counts = count_tokens(r["counts"], tok, valid)
-        rows = dict(r, token=tok, count=r["count"] + 1, remaining=remaining, done=done, counts=counts, gstate=gstate)
-        return lay.constrain({"model": model, "rows": rows}), (tok, valid, token_logprobs(logits, tok))
+
+        def run(sub):
+            logits, model = decode_step(lay.cfg, params, r["token"], sub["model"], valid)
+            keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
+            limited = grammar_limit(penalize(logits, r), logits, grammar_RxTxL, r["gstate"])
+            tok = sample_rows(limited, r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
+            tok = jnp.where(valid, tok, r["token"])
+            gstate = grammar_next(grammar_RxTxL, r["gstate"], tok, valid)
+            remaining = r["remaining"] - valid
+            stop = jnp.take_along_axis(r["stop_mask"], tok[:, None], axis=-1)[:, 0]
+            done = r["done"] | (valid & (stop | (remaining <= 0)))
+            counts = count_tokens(r["counts"], tok, valid)
+            rows = dict(
+                r, token=tok, count=r["count"] + 1, remaining=remaining, done=done, counts=counts, gstate=gstate
+            )
+            return lay.constrain({"model": model, "rows": rows}), (tok, token_logprobs(logits, tok))
+
+        def idle(sub):  # every row done or waiting for the host: the rest of the call skips the model
+            shapes = jax.eval_shape(run, sub)[1][1]
+            rows = dict(r, count=r["count"] + 1)
+            return lay.constrain({"model": sub["model"], "rows": rows}), (r["token"], jax.tree.map(_zeros, shapes))
+
+        sub, (tok, lps) = jax.lax.cond(jnp.any(valid), run, idle, sub)
+        return sub, (tok, valid, lps)
 
     sub, (toks, valid, lps) = jax.lax.scan(step, lay.constrain(sub), None, length=lay.steps_per_call)
     K = lay.steps_per_call
     lps = jax.tree.map(lambda x: x.reshape(K, D, W, *x.shape[2:]), lps)
     return lay.constrain(jax.tree.map(give, slots, sub)), toks.reshape(K, D, W), valid.reshape(K, D, W), lps
+
+
+def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
+    return jnp.zeros(shape.shape, shape.dtype)
 
 
 def move_program(lay: SlotLayout, slots, src_D, dst_D):

@@ -135,7 +135,8 @@ class HostGrammar:
     """A constraint whose masks the host computes per token: ``grammar`` (llguidance's serialized
     grammar) for a matcher per request. On device it holds ``states`` = 2 rows per request, in
     turn the current mask (allowed tokens lead to the other row) and the waiting row (all
-    ``HELD``); ``table`` is the first step's pair, shared by every request of this grammar."""
+    ``HELD``); ``table`` is the first step's pair (``lead_table`` after the forced start), copied
+    into each request's own rows."""
 
     grammar: str
     table: np.ndarray  # [2, V] int32, entries relative to the pair's first row
@@ -201,7 +202,11 @@ class LLGuidance:
             grammar = LLMatcher.grammar_from_json_schema(closed(json.loads(c.source)), overrides=options)
         failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer())
         if failed or messages:  # a warning names a keyword it would ignore: refused, not silently dropped
-            raise InvalidParamError(c.field, f"{c.field}: {self.name} cannot enforce it: {'; '.join(messages)}")
+            raise InvalidParamError(
+                c.field,
+                f"{c.field}: {self.name} cannot enforce it: {'; '.join(messages)}; remove what it names and check "
+                "that on the result",
+            )
         return grammar
 
     def matcher(self, grammar: str):
