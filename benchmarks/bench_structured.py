@@ -10,9 +10,10 @@ automaton; host masks for a schema with numeric bounds) or none of them, in turn
 the ratios are taken run by run. All use ``ignore_eos`` so every row decodes exactly
 ``--new-tokens`` tokens (a constrained row that completes its schema keeps sampling the EOS its
 accepting state allows): the batch, and so the work per step, is the same in all. A host-masked
-row samples one token per decode call (it waits for the host's next mask), so its rate is about
-1 / --steps-per-call of the others'. Automaton sizes are given in states and in device bytes (the
-grammar table's int16 entries, in its tiled layout) for the 3B model's vocabulary (50,304 ids).
+row samples one token per decode call (it waits for the host's next mask); when every row waits,
+the call's later steps skip the model, so what is left is a call's fixed cost per token.
+Automaton sizes are given in states and in device bytes (the grammar table's int16 entries, in
+its tiled layout) for the 3B model's vocabulary (50,304 ids).
 """
 
 from __future__ import annotations

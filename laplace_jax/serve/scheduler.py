@@ -150,26 +150,6 @@ class Scheduler:
         out, self._host_writes = (*self.grammar.writes(), *self._host_writes), []
         return out
 
-    def _lead(self, group: list[Request]) -> tuple[int, ...]:
-        """Jump-forward: the tokens the group's constraint forces at the output's start, fed with its
-        prompt's prefill instead of one decode step each; none where they would change what a member
-        sees (logprobs, best_of's ranking, penalties, a stop token among them, max_tokens)."""
-        a = group[0].sampling.automaton
-        if a is None or not a.lead:
-            return ()
-        for r in group:
-            sp = r.sampling
-            if (
-                sp.automaton is not a
-                or r.wants_logprobs
-                or sp.prompt_logprobs is not None
-                or len(a.lead) >= sp.max_tokens
-                or (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) != (0.0, 0.0, 1.0)
-                or set(a.lead) & set(stop_ids(sp, self.eos_id))
-            ):
-                return ()
-        return a.lead
-
     def _run(self, r: Request, lead: bool) -> TokenAutomaton | HostGrammar | None:
         """What ``r`` holds in the grammar table: its automaton, or its host grammar's own pair of
         rows (its first mask after the lead when ``lead``)."""
@@ -182,7 +162,7 @@ class Scheduler:
     def _grammar_room(self, group: list[Request]) -> bool:
         """Reserve grammar-table rows for a group's constrained members; False (nothing reserved)
         while the live requests' automata leave no room: the group waits."""
-        live, lead = set(self.slots.live()) | self._reserved, bool(self._lead(group))
+        live, lead = set(self.slots.live()) | self._reserved, bool(jump_lead(group, self.eos_id))
         for r in group:
             if r.sampling.automaton is not None and self.grammar.acquire(self._run(r, lead), r, live) is None:
                 for m in group:
@@ -197,7 +177,7 @@ class Scheduler:
         rebuilt since ``_grammar_room``: a retried group after a device-loop failure)."""
         rows, live = {}, set(self.slots.live()) | {r for g in placed.values() for r in g}
         for group in placed.values():
-            lead = self._lead(group)
+            lead = jump_lead(group, self.eos_id)
             for r in (r for r in group if r.sampling.automaton is not None):
                 a = r.sampling.automaton
                 row = self.grammar.acquire(self._run(r, bool(lead)), r, live)
@@ -216,7 +196,7 @@ class Scheduler:
             r.started_at = now
             r.stops = frozenset(stop_ids(r.sampling, self.eos_id))
         score = any(r.sampling.prompt_logprobs is not None for g in placed.values() for r in g)
-        leads = {d: self._lead(g) for d, g in placed.items()}
+        leads = {d: jump_lead(g, self.eos_id) for d, g in placed.items()}
         prompts = {d: [*g[0].prompt_ids, *leads[d]] for d, g in placed.items()}
         starts, keep = self.prefix.plan(prompts) if self.prefix is not None and not score else ({}, {})
         members = generating(placed)
@@ -349,6 +329,27 @@ class Scheduler:
         self._host_writes = []
         if self.prefix is not None:
             self.prefix.clear()
+
+
+def jump_lead(group: list[Request], eos_id: int) -> tuple[int, ...]:
+    """Jump-forward: the tokens the group's constraint forces at the output's start, fed with its
+    prompt's prefill instead of one decode step each; none where they would change what a member
+    sees (logprobs, best_of's ranking, penalties, a stop token among them, max_tokens)."""
+    a = group[0].sampling.automaton
+    if a is None or not a.lead:
+        return ()
+    for r in group:
+        sp = r.sampling
+        if (
+            sp.automaton is not a
+            or r.wants_logprobs
+            or sp.prompt_logprobs is not None
+            or len(a.lead) >= sp.max_tokens
+            or (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) != (0.0, 0.0, 1.0)
+            or set(a.lead) & set(stop_ids(sp, eos_id))
+        ):
+            return ()
+    return a.lead
 
 
 @dataclasses.dataclass(eq=False)
