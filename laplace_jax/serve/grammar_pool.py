@@ -15,7 +15,7 @@ from collections.abc import Collection
 import numpy as np
 
 from laplace_jax.serve.request import Request
-from laplace_jax.serve.structured import HostGrammar, TokenAutomaton
+from laplace_jax.serve.structured import HostGrammar, TokenAutomaton, at_rows
 
 
 class GrammarPool:
@@ -56,7 +56,7 @@ class GrammarPool:
         out = []
         for k, a in self.unwritten.items():
             base = self.runs[k][0]
-            out.append((base, np.where(a.table >= 0, a.table + base, a.table)))
+            out.append((base, at_rows(a.table, base)))
         self.unwritten.clear()
         return out
 

@@ -39,7 +39,7 @@ from laplace_jax.serve.prefix_cache import ENTRY_OVERHEAD_BYTES, PrefixCache
 from laplace_jax.serve.queue import WaitQueue
 from laplace_jax.serve.request import MAX_SEED, Request, row_params, stop_ids
 from laplace_jax.serve.slots import Slots, accept, read_if
-from laplace_jax.serve.structured import HostGrammar, TokenAutomaton, mask_rows
+from laplace_jax.serve.structured import HostGrammar, TokenAutomaton, at_rows, mask_rows
 
 if TYPE_CHECKING:  # a type only: eval runs the engine without metrics
     from laplace_jax.serve.metrics import ServeMetrics
@@ -248,8 +248,7 @@ class Scheduler:
                 r.fail(f"structured_outputs: the grammar allows no token after {len(r.sampled)} generated")
                 continue
             h.current = 1 - h.current
-            pair = mask_rows(allowed, h.current)
-            self._host_writes.append((h.base, np.where(pair >= 0, pair + h.base, pair)))
+            self._host_writes.append((h.base, at_rows(mask_rows(allowed, h.current), h.base)))
         if stuck:
             self._slot_ops += [Move(m) for m in self.slots.free(stuck)]
 

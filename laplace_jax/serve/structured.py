@@ -164,6 +164,12 @@ class HostGrammar:
         return self.backend.allowed(matcher)
 
 
+def at_rows(table_SxV: np.ndarray, base: int) -> np.ndarray:
+    """A table whose states are numbered from 0 with its states renumbered to grammar-table rows
+    from ``base`` (negative entries, -1 and ``HELD``, kept)."""
+    return np.where(table_SxV >= 0, table_SxV + base, table_SxV)
+
+
 def mask_rows(allowed_V: np.ndarray, current: int) -> np.ndarray:
     """The pair of table rows for one host step (entries relative to the pair's first row):
     row ``current`` allows ``allowed`` (leading to the other row), the other row waits."""
