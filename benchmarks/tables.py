@@ -455,6 +455,49 @@ def _speculative(r: dict) -> list[str]:
     ]
 
 
+def _speculative_serve(r: dict) -> list[str]:
+    head = ["workload", "W", "plain tok/s", "speculative tok/s", "speedup", "plain ms per token",
+            "speculative ms per token", "draft tokens accepted"]  # fmt: skip
+    rows = [
+        [
+            m["workload"],
+            str(m["width"]),
+            f"{m['plain_tok_s']:,.0f}",
+            f"{m['speculative_tok_s']:,.0f}",
+            f"{m['speedup']:.2f}x",
+            f"{m['plain_tpot_ms']:.2f}",
+            f"{m['speculative_tpot_ms']:.2f}",
+            f"{m['acceptance_rate']:.0%}",
+        ]
+        for m in r["runs"].values()
+    ]
+    return [
+        *_grid(head, rows),
+        "",
+        f"{r['config']}, random weights, {r['max_tokens']} tokens per request, `{r['speculative_config']}`; "
+        f"medians of {r['rounds']} rounds, the speedup round by round; compiles after warmup: "
+        f"{r['compiles_after_warmup']}.",
+    ]
+
+
+def _speculative_tpu(r: dict) -> list[str]:
+    k1 = r["k"] + 1
+    head = ["W", f"{k1} plain steps (ms)", "verify + replay (ms)", "verify, whole draft accepted (ms)",
+            "speedup, whole draft accepted", "tokens per verify to break even with a replay"]  # fmt: skip
+    rows = [
+        [
+            w,
+            f"{m['plain_k1_steps_s'] * 1e3:.2f}",
+            f"{m['verify_with_replay_s'] * 1e3:.2f}",
+            f"{m['verify_full_acceptance_s'] * 1e3:.2f}",
+            f"{m['speedup_full_acceptance']:.2f}x",
+            f"{m['break_even_tokens_with_replay']:.2f}",
+        ]
+        for w, m in r["widths"].items()
+    ]
+    return [*_grid(head, rows), "", f"{r['config']}, {r['topology']}, K={r['k']}: {r['label']}, not a measurement."]
+
+
 def _structured(r: dict) -> list[str]:
     t = r["throughput"]
     head = ["constraint", "compile (ms)", "automaton states", "device table, 3B vocabulary (MiB)"]
@@ -1200,6 +1243,8 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "prepare": (("prepare_cpu.json",), _prepare),
     "cluster": (("cluster_cpu.json",), _cluster),
     "speculative": (("speculative_cpu.json",), _speculative),
+    "speculative_serve": (("speculative_serve_cpu.json",), _speculative_serve),
+    "speculative_tpu": (("speculative_tpu.json",), _speculative_tpu),
     "structured": (("structured_cpu.json",), _structured),
     "structured_tpu": (("structured_tpu.json", "structured_tpu_layouts.json"), _structured_tpu),
     "structured_ab": (("serve_cpu_structured_ab.json",), _serve_ab),

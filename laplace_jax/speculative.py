@@ -8,14 +8,17 @@ looks the last n-gram up in the sequence so far (``ngram_proposal``, on device),
 token, draft] (K + 1 tokens) through ``prefill`` from the state before them, accepts a prefix, and
 replays the kept tokens from the same state with ``prefill``'s per-row length (the replay variant
 of issue 54: no per-position states are stored). An iteration with no proposal takes one plain
-decode step instead, and after a draft is rejected outright the lookup pauses (1, 2, 4 .. 16
-tokens), so failed speculation costs little. The serving engine's loop does not use this yet.
+decode step instead, and after a draft is rejected outright the lookup pauses (1, 2, 4 .. 64
+tokens), so failed speculation costs little. The serving engine runs the same proposals, acceptance
+and replay for every slot inside its multi-step decode call (``serve/slot_programs.py``), configured
+by ``NgramSpec`` (``serve.py --speculative-config``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +28,63 @@ from laplace_jax.models.gla_lm import decode_step, init_state, prefill
 from laplace_jax.sampling import sample_rows, speculative_accept
 
 Array = jax.Array
-MAX_PAUSE = 16  # tokens without lookups after repeated outright rejections
+MAX_PAUSE = 64  # steps without look-ups after repeated outright rejections
+MAX_SPECULATIVE_TOKENS = 7  # K + 1 <= 8 tokens per verify call
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramSpec:
+    """Speculative decoding by n-gram prompt lookup, in vLLM's ``--speculative-config`` spelling:
+    ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}``.
+    ``num_speculative_tokens`` (K) draft tokens are verified per call; the longest n-gram of the
+    sequence's end, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, is looked up."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    @classmethod
+    def parse(cls, text: str) -> NgramSpec:
+        """The spec of a JSON object; raises ``ValueError`` saying which field is wrong and why."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON ({e.msg}): expected like {SPEC_EXAMPLE}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"expected a JSON object like {SPEC_EXAMPLE}; got {text!r}")
+        known = {"method", *(f.name for f in dataclasses.fields(cls))}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if raw.get("method", "ngram") != "ngram":
+            raise ValueError(f"method {raw['method']!r} is not served: only 'ngram' (prompt lookup, no draft model)")
+        if "num_speculative_tokens" not in raw:
+            raise ValueError(f"num_speculative_tokens is required, e.g. {SPEC_EXAMPLE}")
+        values = {k: v for k, v in raw.items() if k != "method"}
+        for k, v in values.items():
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{k} must be an integer; got {v!r}")
+        spec = cls(**values)
+        if not 1 <= spec.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}; got {spec.num_speculative_tokens}"
+            )
+        if not 1 <= spec.prompt_lookup_min <= spec.prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max; got "
+                f"{spec.prompt_lookup_min}, {spec.prompt_lookup_max}"
+            )
+        return spec
+
+    @staticmethod
+    def describe(spec: NgramSpec | None) -> str:
+        """What the serve banner says of speculation."""
+        if spec is None:
+            return "speculative decoding: off"
+        return f"speculative decoding: ngram, {spec.num_speculative_tokens} draft tokens per verify"
+
+
+SPEC_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 
 
 def ngram_proposal(tokens_L: Array, length: Array, k: int, n_min: int = 1, n_max: int = 4) -> Array:
@@ -50,6 +109,16 @@ def ngram_proposal(tokens_L: Array, length: Array, k: int, n_min: int = 1, n_max
         hit = match.any() & ~found
         best, found = jnp.where(hit, after, best), found | hit
     return best
+
+
+def backoff(skip: Array, pause: Array, proposed: Array, accepted: Array) -> tuple[Array, Array]:
+    """Speculation that fails turns itself off: after a draft is rejected outright, the next
+    ``pause`` lookups are skipped and the pause doubles (up to ``MAX_PAUSE``); an accepted token
+    resets it to 1. Any shapes (one sequence or a row per slot). Returns (skip, pause)."""
+    rejected = proposed & (accepted == 0)
+    skip = jnp.where(rejected, pause, jnp.maximum(skip - 1, 0))
+    pause = jnp.where(rejected, jnp.minimum(2 * pause, MAX_PAUSE), jnp.where(accepted > 0, 1, pause))
+    return skip, pause
 
 
 @dataclasses.dataclass
@@ -99,9 +168,7 @@ def _generate(
         toks, keep, n, c["state"] = jax.lax.cond(proposed > 0, verify, plain, dict(c, key=sub), last, draft)
         c["tokens"] = jax.lax.dynamic_update_slice(c["tokens"], toks, (c["length"],))
         c["length"] = c["length"] + keep
-        rejected = (proposed > 0) & (n == 0)
-        c["skip"] = jnp.where(rejected, c["pause"], jnp.maximum(c["skip"] - 1, 0))
-        c["pause"] = jnp.where(rejected, jnp.minimum(2 * c["pause"], MAX_PAUSE), jnp.where(n > 0, 1, c["pause"]))
+        c["skip"], c["pause"] = backoff(c["skip"], c["pause"], proposed > 0, n)
         counts = jnp.stack([proposed > 0, proposed == 0, proposed, n]).astype(jnp.int32)
         c["stats"] = c["stats"] + counts
         return c

@@ -47,9 +47,9 @@ class Running(BackgroundServer):
     """The tiny model served as "tiny"; ``serve_kw``: ``ServeConfig`` fields (``serve_config``'s
     defaults, with a 64 MiB prefix cache, as serve.py runs it)."""
 
-    def __init__(self, tokenizer=TOK, eos_id=TOK.eos_id, **serve_kw):
+    def __init__(self, tokenizer=TOK, eos_id=TOK.eos_id, params=PARAMS, **serve_kw):
         serve_kw = {"max_model_len": 512, "prefix_cache_bytes": 1 << 26, **serve_kw}
-        self.engine = Engine(CFG, PARAMS, serve_config(**serve_kw), eos_id=eos_id, metrics=ServeMetrics())
+        self.engine = Engine(CFG, params, serve_config(**serve_kw), eos_id=eos_id, metrics=ServeMetrics())
         server = Server(self.engine, tokenizer, "tiny")
         super().__init__(server, portpicker.pick_unused_port())
 

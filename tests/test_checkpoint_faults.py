@@ -118,10 +118,11 @@ def test_kill_9_during_checkpoint_writes_then_rerun_resumes_exactly(tmp_path, co
     if context > 1:
         args += [f"--config.mesh.context={context}", "--config.mesh.fsdp=1"]
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={context}"
-    straight = subprocess.run(
-        [sys.executable, "train.py", *args, f"--workdir={tmp_path / 'a'}"], cwd=ROOT, env=env, capture_output=True
-    )
-    assert straight.returncode == 0, straight.stderr[-2000:]
+    err = open(tmp_path / "a.err", "wb")  # noqa: SIM115  (the uninterrupted run's messages, read at the end)
+    straight = subprocess.Popen(  # the uninterrupted run, beside the one to kill (2 cores: ~one run's time)
+        [sys.executable, "train.py", *args, f"--workdir={tmp_path / 'a'}"], cwd=ROOT, env=env,
+        stdout=subprocess.DEVNULL, stderr=err,
+    )  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "train.py", *args, f"--workdir={tmp_path / 'b'}"], cwd=ROOT, env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -143,6 +144,8 @@ def test_kill_9_during_checkpoint_writes_then_rerun_resumes_exactly(tmp_path, co
     )
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed from step {killed_at}".encode() in again.stdout + again.stderr
+    assert straight.wait(300) == 0, (tmp_path / "a.err").read_text()[-2000:]
+    err.close()
     read = lambda p: {r["step"]: r["loss"] for r in map(eval_json, p.read_text().splitlines()) if "loss" in r}  # noqa: E731
     a, b = read(tmp_path / "a" / "metrics.jsonl"), read(tmp_path / "b" / "metrics.jsonl")
     assert a[16] == b[16] and all(a[s] == b[s] for s in b)

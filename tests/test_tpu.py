@@ -162,6 +162,10 @@ def test_the_tiny_decode_and_serve_programs_report(tmp_path):
     plain_sampler, masked = reps[-2:]
     assert "structured-output mask" in masked["program"] and "mask" not in plain_sampler["program"]
     assert masked["estimate"]["seconds"] >= plain_sampler["estimate"]["seconds"]  # the [W, V] table-row gather
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    (one,) = serve_reports(chip, devices, config, 4, "4", 64, 2, programs=("decode",), speculative_config=spec)
+    assert "speculative, K + 1 = 5 tokens per step" in one["program"] and one["memory"]["aliased"] > 0
+    assert one["estimate"]["seconds"] > reps[3]["estimate"]["seconds"]  # the verify and its replay are counted
 
 
 def test_decode_writes_each_layers_state_once_and_reads_no_stack():

@@ -15,6 +15,7 @@ from typing import Any
 from laplace_jax.errors import UserError
 from laplace_jax.ops.gla.limits import IMPLS
 from laplace_jax.platform import PRNG_IMPLS
+from laplace_jax.speculative import NgramSpec
 
 GROUPS = ("model", "engine", "sampling defaults", "HTTP")
 
@@ -87,6 +88,13 @@ class ServeConfig:
         None, "engine", "prompt + output limit in tokens (default: the model's max_seq_len)", lo=2
     )
     max_queue: int = _setting(64, "engine", "waiting requests before 429", lo=1)
+    speculative_config: str | None = _setting(
+        None,
+        "engine",
+        'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\' (n-gram prompt lookup: draft tokens from earlier in the sequence, verified '
+        "K + 1 at a time; greedy output unchanged, sampled output keeps its distribution)",
+    )
     prefix_cache_bytes: int = _setting(
         1 << 30,
         "engine",
@@ -169,6 +177,11 @@ class ServeConfig:
                 raise SettingError(f.name, f"must be positive; got {value}")
         if self.structured_states > MAX_STRUCTURED_STATES:  # the table's int16 entries index its rows
             raise SettingError("structured_states", f"must be <= {MAX_STRUCTURED_STATES}; got {self.structured_states}")
+        if self.speculative_config is not None:
+            try:
+                NgramSpec.parse(self.speculative_config)
+            except ValueError as e:
+                raise SettingError("speculative_config", str(e)) from None
         if self.decode_buckets not in ("pow2", "exact"):
             widths = self.decode_buckets.split(",")
             if not all(w.strip().isdigit() and 1 <= int(w) <= self.max_num_seqs for w in widths):
@@ -177,6 +190,10 @@ class ServeConfig:
                     f"must be 'pow2', 'exact' or widths in 1..max_num_seqs ({self.max_num_seqs}) like 1,4,8; "
                     f"got {self.decode_buckets!r}",
                 )
+
+    def speculation(self) -> NgramSpec | None:
+        """``speculative_config`` parsed (None: no speculation)."""
+        return None if self.speculative_config is None else NgramSpec.parse(self.speculative_config)
 
     def buckets(self) -> str | list[int]:
         """``decode_buckets`` as ``scheduler.make_buckets`` takes it."""

@@ -44,6 +44,7 @@ from laplace_jax.serve.programs import DevicePrograms
 from laplace_jax.serve.request import Completion, Request, SamplingParams, check_prompt
 from laplace_jax.serve.runner import Runner
 from laplace_jax.serve.scheduler import Scheduler, make_buckets, prefix_cache
+from laplace_jax.speculative import NgramSpec
 
 if TYPE_CHECKING:  # a type only: eval runs the engine without metrics
     from laplace_jax.serve.metrics import ServeMetrics
@@ -71,6 +72,7 @@ def build(
     devices: list[jax.Device],
     eos_id: int,
     metrics: ServeMetrics | None,
+    max_model_len: int,
 ) -> tuple[Runner, Scheduler]:
     """The runner (the device programs on ``devices``) and the scheduler for ``serve``."""
     programs = DevicePrograms(
@@ -82,6 +84,8 @@ def build(
         serve.steps_per_call,
         prng_impl(serve.prng_impl),
         serve.structured_states,
+        serve.speculation(),
+        max_model_len,
     )
     buckets = make_buckets(serve.buckets(), serve.max_num_seqs)
     prefix = prefix_cache(
@@ -134,7 +138,7 @@ class Engine:
             raise UserError(f"--devices must lie in 1..{len(local)} (the local {local[0].platform} devices)")
         self.devices = list(devices) if devices else local[: serve.devices or len(local)]
         self.n_devices = len(self.devices)
-        self.runner, self.scheduler = build(cfg, params, serve, self.devices, eos_id, metrics)
+        self.runner, self.scheduler = build(cfg, params, serve, self.devices, eos_id, metrics, max_model_len)
         self.ready = False
         self.dead: str | None = None
         self.restarts = 0
@@ -298,8 +302,8 @@ class Engine:
         if on_ready:
             n = len(self.programs.programs(self.buckets or []))
             kernels = ", ".join(self.programs.gla_kernels()) or "none found"
-            took = time.perf_counter() - start
-            on_ready(f"ready: {n} programs compiled in {took:.1f} s; GLA kernels in them: {kernels}")
+            took, spec = time.perf_counter() - start, NgramSpec.describe(self.programs.layout.speculation)
+            on_ready(f"ready: {n} programs compiled in {took:.1f} s; GLA kernels in them: {kernels}; {spec}")
         self.loop()
 
     def step(self) -> StepPlan:
@@ -317,9 +321,9 @@ class Engine:
         sched.update(plan, out)
         if self.metrics is not None:
             if plan.decode_width is not None:
-                steps = sched.steps_per_call
-                self.metrics.on_decode(plan.decode_width, list(plan.live), time.perf_counter() - t0, steps)
-            self.metrics.on_engine(self.programs.prefilled_tokens, self.prefix)
+                tokens, took = int(out.decoded[1].sum()), time.perf_counter() - t0  # a speculative row gets 1 .. K+1
+                self.metrics.on_decode(plan.decode_width, list(plan.live), took, sched.steps_per_call, tokens)
+            self.metrics.on_engine(self.programs.prefilled_tokens, self.prefix, self.programs.speculation_counts)
         return plan
 
     def loop(self) -> None:

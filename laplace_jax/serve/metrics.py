@@ -73,6 +73,13 @@ class ServeMetrics:
             buckets=(8, 32, 128, 512, 2048, 8192),
             registry=r,
         )
+        self.spec_drafts = Counter(
+            p + "spec_decode_num_drafts", "Speculative verify steps of rows that had a draft", registry=r
+        )
+        self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.spec_accepted = Counter(
+            p + "spec_decode_num_accepted_tokens", "Draft tokens accepted (emitted as the model's own)", registry=r
+        )
         self._synced: dict[str, int] = {}
         self._vllm: VllmNames | None = None
         jax.monitoring.register_event_listener(self._on_event)
@@ -109,17 +116,21 @@ class ServeMetrics:
         for d in range(devices):
             self.device_slots_used.labels(str(d)).set(0)
 
-    def on_decode(self, width: int, live: list[int], seconds: float, steps: int) -> None:
-        """``live``: live slots per device; each device computes ``width`` rows."""
+    def on_decode(self, width: int, live: list[int], seconds: float, steps: int, tokens: int) -> None:
+        """``live``: live slots per device; each device computes ``width`` rows; ``tokens``: what
+        the live rows received (a speculative step gives a row 1 .. K + 1)."""
         self.decode_steps.labels(str(width)).inc(steps)
         self.padding.labels(str(width)).inc(sum(width - n for n in live) * steps)
         self.step_seconds.labels(str(width)).observe(seconds)
-        self.itl.observe(seconds / steps)
+        if tokens:
+            self.itl.observe(seconds * max(sum(live), 1) / tokens)
 
-    def on_engine(self, prefilled_tokens: int, prefix) -> None:
+    def on_engine(self, prefilled_tokens: int, prefix, speculation=(0, 0, 0)) -> None:
         """Bring the engine's own counters (prefill ids run; ``prefix``: its ``PrefixCache`` or
-        None) into the exported ones."""
+        None; ``speculation``: the decode calls' (drafts, draft tokens, accepted tokens), counted
+        on the device) into the exported ones."""
         now = {"prefill": prefilled_tokens}
+        now |= dict(zip(("drafts", "draft_tokens", "accepted"), (int(x) for x in speculation), strict=True))
         if prefix is not None:
             st = prefix.stats
             now |= {"hits": st.hits, "misses": st.misses, "tokens": st.cached_tokens}
@@ -129,6 +140,7 @@ class ServeMetrics:
             self.prefix_entries.set(len(prefix))
         counters = {"prefill": self.prefill_tokens, "hits": self.prefix_hits, "misses": self.prefix_misses}
         counters |= {"tokens": self.prefix_tokens, "evictions": self.prefix_evictions, "cross": self.prefix_cross}
+        counters |= {"drafts": self.spec_drafts, "draft_tokens": self.spec_draft_tokens, "accepted": self.spec_accepted}
         for name, value in now.items():
             delta = value - self._synced.get(name, 0)
             if delta > 0:
@@ -184,6 +196,7 @@ class VllmNames:
     def collect(self):
         m = self.m
         mirrored = (m.running, m.waiting, m.prompt_tokens, m.generation_tokens, m.finished)
+        mirrored += (m.spec_drafts, m.spec_draft_tokens, m.spec_accepted)
         for metric in (*mirrored, m.ttft, m.itl, m.e2e, m.queue):
             yield from self._renamed(metric)
         per_device_used = [s.value for f in m.device_slots_used.collect() for s in f.samples]

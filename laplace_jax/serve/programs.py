@@ -26,16 +26,15 @@ from laplace_jax.sampling import grammar_tiles, grammar_tiles_shape
 from laplace_jax.serve.slot_programs import (
     GRAMMAR_BLOCK,
     GRAMMAR_DTYPE,
-    REQUEST_FIELDS,
     SlotLayout,
     decode_program,
     grammar_program,
     insert_program,
     move_program,
     prefill_program,
-    row_template,
     snapshot_program,
 )
+from laplace_jax.speculative import NgramSpec
 
 
 class DevicePrograms:
@@ -51,14 +50,18 @@ class DevicePrograms:
         steps_per_call: int,
         prng: str,
         grammar_rows: int,
+        speculation: NgramSpec | None = None,
+        max_model_len: int = 0,
     ):
         """``prng``: the sampling keys' implementation, resolved (``platform.prng_impl``);
-        ``grammar_rows``: the structured-output table's rows (automaton states held at once)."""
+        ``grammar_rows``: the structured-output table's rows (automaton states held at once);
+        ``speculation``: n-gram speculative decoding (each row's history holds ``max_model_len`` ids)."""
         self.cfg, self.prng = cfg, prng
         self.D, self.S = len(devices), slots_per_device  # devices, slots per device
         self.prefill_chunk, self.steps_per_call = prefill_chunk, steps_per_call
         self.mesh = Mesh(np.asarray(devices), ("data",))
-        self.layout = SlotLayout(cfg, self.mesh, prng, steps_per_call, grammar_rows)
+        self.layout = SlotLayout(cfg, self.mesh, prng, steps_per_call, grammar_rows, speculation, max_model_len)
+        self.speculation_counts = np.zeros((3,), np.int64)  # drafts, draft tokens, accepted tokens (device counts)
         on_cpu = devices[0].platform == "cpu"  # XLA:CPU needs bf16 weights as bits (pack_weights)
         self.params = jax.device_put(pack_weights(params) if on_cpu else params, NamedSharding(self.mesh, P()))
         self.executables: dict[tuple[str, int], Any] = {}
@@ -73,10 +76,7 @@ class DevicePrograms:
     def new_slots(self) -> dict:
         """Fresh slot buffers (every slot idle), sharded over the devices."""
         n = self.D * self.S
-        rows = {
-            k: np.full((n, *shape), idle, dtype)
-            for k, (shape, dtype, idle) in row_template(self.prng, self.cfg.vocab_size).items()
-        }
+        rows = {k: np.full((n, *shape), idle, dtype) for k, (shape, dtype, idle) in self.layout.row_template().items()}
         return {
             "model": jax.device_put(init_state(self.cfg, n), self.layout.slot_sharding()),
             "rows": jax.device_put(rows, self.layout.slot_sharding()),
@@ -198,21 +198,30 @@ class DevicePrograms:
         """Write device d's prefilled row into its local slot ``requests[d][0]`` with sampling row
         ``requests[d][1]``; returns the first sampled token per device [D] (host) and its
         (logprob [D], top ids [D, k], top logprobs [D, k]) (device)."""
-        D, tpl = self.D, row_template(self.prng, self.cfg.vocab_size)
-        req = {k: np.full((D, *tpl[k][0]), tpl[k][2], tpl[k][1]) for k in REQUEST_FIELDS}
+        D, tpl, fields = self.D, self.layout.row_template(), self.layout.request_fields()
+        req = {k: np.full((D, *tpl[k][0]), tpl[k][2], tpl[k][1]) for k in fields}
         local = np.full((D,), -1, np.int32)
         for d, (slot, row) in requests.items():
             local[d] = slot
-            for k in REQUEST_FIELDS:
-                req[k][d] = row[k]
+            for k in fields:
+                if k == "history":  # the ids so far (prompt and jump-forward), then their count
+                    ids = row["history"]
+                    req[k][d, : len(ids)] = ids
+                    req["hlen"][d] = len(ids)
+                elif k != "hlen":
+                    req[k][d] = row[k]
         self.slots, first, lps = self.executables[("insert", D)](self.slots, self.grammar, state, logits, req, local)
         return np.asarray(first), lps
 
     def decode(self, width: int) -> tuple[np.ndarray, np.ndarray, tuple[jax.Array, ...]]:
-        """``steps`` tokens for the first ``width`` local slots of each device: (tokens, valid)
-        [K, D, W] on the host, and the tokens' (logprob [K, D, W], top ids and top logprobs
-        [K, D, W, k]) left on the device (read them only when a request wants them)."""
-        self.slots, toks, valid, lps = self.executables[("decode", width)](self.params, self.slots, self.grammar)
+        """One decode call for the first ``width`` local slots of each device: (tokens, valid)
+        [K, D, W] on the host (K = steps x positions per step; a row's real tokens in order), and
+        the tokens' (logprob [K, D, W], top ids and top logprobs [K, D, W, k]) left on the device
+        (read them only when a request wants them). Adds the call's speculation counters to
+        ``speculation_counts``."""
+        ex = self.executables[("decode", width)]
+        self.slots, toks, valid, lps, counts = ex(self.params, self.slots, self.grammar)
+        self.speculation_counts += np.asarray(counts)
         return np.asarray(toks), np.asarray(valid), lps
 
     def write_grammar(self, base: int, rows_NxV: np.ndarray) -> None:
@@ -256,8 +265,8 @@ def serving_programs(
     logits = jax.ShapeDtypeStruct((D, V), jnp.float32, sharding=rows)
     ints = jax.ShapeDtypeStruct((D,), jnp.int32, sharding=rows)
     tokens = jax.ShapeDtypeStruct((D, prefill_chunk), jnp.int32, sharding=rows)
-    tpl = row_template(lay.prng, V)
-    req = {k: jax.ShapeDtypeStruct((D, *tpl[k][0]), tpl[k][1], sharding=rows) for k in REQUEST_FIELDS}
+    tpl = lay.row_template()
+    req = {k: jax.ShapeDtypeStruct((D, *tpl[k][0]), tpl[k][1], sharding=rows) for k in lay.request_fields()}
     slots = {
         "model": _abstract(jax.eval_shape(lambda: init_state(cfg, n)), rows),
         "rows": {k: jax.ShapeDtypeStruct((n, *shape), dtype, sharding=rows) for k, (shape, dtype, _) in tpl.items()},

@@ -211,6 +211,7 @@ class Scheduler:
                         seed = int(self._seeds.integers(0, MAX_SEED, endpoint=True))
                     row = row_params(m[k], self.vocab_size, self.eos_id, seed, self.prng, generated=len(leads[d]))
                     row["gstate"] = np.int32(grammar_rows.get(m[k], -1))
+                    row["history"] = np.asarray(prompts[d], np.int32)  # speculation's look-up text
                     where[d] = (len(self.slots.rows[d]) + k, row)
             inserts.append(where)
         return Admission(placed, prompts, leads, score, starts, keep, inserts)
@@ -292,7 +293,7 @@ class Scheduler:
         self._slot_ops += [Move(m) for m in self.slots.free(finished)]
 
     def _decoded(self, toks: np.ndarray, valid: np.ndarray, lps: tuple) -> None:
-        done, ended = self.slots.collect(toks, valid, lps, self.steps_per_call)
+        done, ended = self.slots.collect(toks, valid, lps)
         if ended and self.prefix is not None:  # their final states, before compaction moves them
             while ended:
                 now = {d: items.pop() for d, items in ended.items()}

@@ -14,7 +14,10 @@ D devices (``programs.DevicePrograms`` compiles them at warmup):
             samples the first tokens (and their logprobs)
   decode[W] ``steps`` tokens (and their logprobs) for the first W local slots of every device
             (W: the per-device bucket); a step at which no row is live (each is done, or waits for
-            its host grammar's next mask) skips the model
+            its host grammar's next mask) skips the model. With speculation (``NgramSpec``) each
+            step is one verify: K draft tokens per row from an n-gram lookup in the row's own
+            history, K + 1 tokens through the model, the accepted prefix plus one token emitted
+            (1 .. K + 1 per row per step), and the state replayed over what was emitted
   move      per device, copy local slot src_d into dst_d (compaction; src_d == dst_d: nothing)
   snapshot  per device, a copy of local slot i_d's model state (the prefix cache's end entries)
 
@@ -27,6 +30,7 @@ prompt and the generated tokens fed back. Every program works on the per-device 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -37,17 +41,34 @@ from jax.sharding import PartitionSpec as P
 from laplace_jax.config import ModelConfig
 from laplace_jax.models.gla_lm import decode_step, prefill
 from laplace_jax.platform import key_words
-from laplace_jax.sampling import count_tokens, grammar_limit, grammar_next, penalize, sample_rows, token_logprobs
+from laplace_jax.sampling import (
+    count_tokens,
+    grammar_limit,
+    grammar_next,
+    penalize,
+    sample_rows,
+    speculative_accept,
+    token_logprobs,
+)
 from laplace_jax.serve.structured import HELD
+from laplace_jax.speculative import NgramSpec, backoff, ngram_proposal
 
 
-def row_template(prng: str, vocab_size: int) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
+def row_template(prng: str, vocab_size: int, history: int = 0) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
     """Per-slot sampling fields: name -> (shape, dtype, idle value); ``prng``: the keys' implementation.
 
     The vocabulary-wide rows (``bias``, ``seen``, ``stop_mask``, ``counts``) hold the penalties'
     inputs: 10 bytes per token id per slot (0.5 MB per slot for the 3B model's 50,304 ids, 1.7% of
-    its 29.5 MB state)."""
-    return {
+    its 29.5 MB state). ``history`` > 0 (speculation): the row's tokens so far (prompt and output,
+    ``hlen`` of them; the n-gram lookup's text) in a buffer of that many ids, and the lookup's
+    back-off counters (``speculative.backoff``)."""
+    spec = {
+        "history": ((history,), jnp.int32, -1),
+        "hlen": ((), jnp.int32, 0),
+        "skip": ((), jnp.int32, 0),
+        "pause": ((), jnp.int32, 1),
+    }
+    return (spec if history else {}) | {
         "token": ((), jnp.int32, 0),
         "temperature": ((), jnp.float32, 0.0),
         "top_k": ((), jnp.int32, 0),
@@ -84,7 +105,10 @@ REQUEST_FIELDS = (  # set per request at insert; the rest are the decode loop's 
     "seen",
     "stop_mask",
     "gstate",
+    "history",  # speculation only (``row_template``)
+    "hlen",
 )
+VERIFY_IMPL = "recurrent"  # the GLA kernel of a verify's K + 1 tokens (the chunk kernel pads them to a chunk)
 GRAMMAR_BLOCK = 32  # grammar-table rows written per call (one compiled shape)
 GRAMMAR_DTYPE = jnp.int16  # grammar-table entries: a row index or -1 (``ServeConfig.structured_states`` <= 32767)
 
@@ -108,10 +132,29 @@ class SlotLayout:
     prng: str
     steps_per_call: int
     grammar_rows: int  # rows of the structured-output table (``ServeConfig.structured_states``)
+    speculation: NgramSpec | None = None
+    max_model_len: int = 0  # tokens a row's history holds (with speculation)
 
     @property
     def D(self) -> int:
         return self.mesh.size
+
+    @property
+    def positions(self) -> int:
+        """Tokens a decode step can emit per row: K + 1 with speculation, else 1."""
+        return 1 if self.speculation is None else self.speculation.num_speculative_tokens + 1
+
+    @property
+    def history(self) -> int:
+        """The history buffer's length (0: none): room for a whole sequence and one verify's writes."""
+        return 0 if self.speculation is None else self.max_model_len + self.positions
+
+    def row_template(self) -> dict[str, tuple[tuple[int, ...], Any, Any]]:
+        return row_template(self.prng, self.cfg.vocab_size, self.history)
+
+    def request_fields(self) -> tuple[str, ...]:
+        tpl = self.row_template()
+        return tuple(k for k in REQUEST_FIELDS if k in tpl)
 
     def slot_sharding(self) -> NamedSharding:
         """Every slot buffer [slots, ..] (state leaves and sampling rows): the slot axis over the devices."""
@@ -174,12 +217,20 @@ def insert_program(lay: SlotLayout, slots, grammar_RxTxL, state_D, logits_DxV, r
         done=jnp.zeros((D,), bool),
         gstate=grammar_next(grammar_RxTxL, req_D["gstate"], first, jnp.ones((D,), bool)),
     )
+    if lay.speculation is not None:  # the first token joins the row's history
+        history = jax.vmap(lambda h, n, t: h.at[n].set(t))(req_D["history"], req_D["hlen"], first)
+        ones = jnp.ones((D,), jnp.int32)
+        new_rows |= dict(history=history, hlen=req_D["hlen"] + 1, skip=0 * ones, pause=ones)
     rows = {k: put_all(slots["rows"][k], new_rows[k]) for k in slots["rows"]}
     return lay.constrain({"model": model, "rows": rows}), first, token_logprobs(logits_DxV, first)
 
 
 def decode_program(lay: SlotLayout, params, slots, grammar_RxTxL, W: int):
-    D = lay.D
+    """``steps_per_call`` steps for the first W local slots of every device: the slots after them,
+    and per emitted position (``steps x positions`` of them, [.., D, W]) the tokens, whether each
+    is real, and their logprobs; and the speculation counters [3] (drafts, draft tokens,
+    accepted tokens; zeros without speculation)."""
+    D, N = lay.D, lay.positions
 
     def take(x):  # the first W local slots of every device, flattened to D*W rows
         return _join(jax.lax.slice_in_dim(_split(x, D), 0, W, axis=1))
@@ -187,43 +238,156 @@ def decode_program(lay: SlotLayout, params, slots, grammar_RxTxL, W: int):
     def give(x, sub):
         return _join(jax.lax.dynamic_update_slice_in_dim(_split(x, D), _split(sub, D), 0, 1))
 
-    sub = jax.tree.map(take, slots)
-
     def step(sub, _):
         r = sub["rows"]
         # a done row keeps its final state (the prefix cache's end entry); a row whose host grammar
         # has not written its next mask yet (its table row all HELD) waits, state and all
         held = (r["gstate"] >= 0) & (grammar_RxTxL[jnp.maximum(r["gstate"], 0), 0, 0] == HELD)
         valid = ~r["done"] & ~held
+        plain = functools.partial(_plain_step, lay, params, grammar_RxTxL, valid=valid)
+        if lay.speculation is None:
+            return jax.lax.cond(jnp.any(valid), plain, functools.partial(_idle_step, lay, plain), sub)
+        draft = _proposals(lay.speculation, r, valid)
+        verify = functools.partial(_verify_step, lay, params, grammar_RxTxL, valid=valid, draft=draft)
+        spec_plain = functools.partial(_spec_plain_step, lay, plain)
 
-        def run(sub):
-            logits, model = decode_step(lay.cfg, params, r["token"], sub["model"], valid)
-            keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
-            limited = grammar_limit(penalize(logits, r), logits, grammar_RxTxL, r["gstate"])
-            tok = sample_rows(limited, r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
-            tok = jnp.where(valid, tok, r["token"])
-            gstate = grammar_next(grammar_RxTxL, r["gstate"], tok, valid)
-            remaining = r["remaining"] - valid
-            stop = jnp.take_along_axis(r["stop_mask"], tok[:, None], axis=-1)[:, 0]
-            done = r["done"] | (valid & (stop | (remaining <= 0)))
-            counts = count_tokens(r["counts"], tok, valid)
-            rows = dict(
-                r, token=tok, count=r["count"] + 1, remaining=remaining, done=done, counts=counts, gstate=gstate
-            )
-            return lay.constrain({"model": model, "rows": rows}), (tok, token_logprobs(logits, tok))
+        def live(s):
+            return jax.lax.cond(jnp.any(draft >= 0), verify, spec_plain, s)
 
-        def idle(sub):  # every row done or waiting for the host: the rest of the call skips the model
-            shapes = jax.eval_shape(run, sub)[1][1]
-            rows = dict(r, count=r["count"] + 1)
-            return lay.constrain({"model": sub["model"], "rows": rows}), (r["token"], jax.tree.map(_zeros, shapes))
+        return jax.lax.cond(jnp.any(valid), live, functools.partial(_idle_step, lay, live), sub)
 
-        sub, (tok, lps) = jax.lax.cond(jnp.any(valid), run, idle, sub)
-        return sub, (tok, valid, lps)
+    sub, (toks, valid, lps, stats) = jax.lax.scan(
+        step, lay.constrain(jax.tree.map(take, slots)), None, length=lay.steps_per_call
+    )
+    K = lay.steps_per_call * N  # [steps, D*W, N, ..] -> [steps * N, D, W, ..]: emitted in order
+    toks, valid, lps = jax.tree.map(lambda x: _positions(x, K, D, W), (toks, valid, lps))
+    return lay.constrain(jax.tree.map(give, slots, sub)), toks, valid, lps, jnp.sum(stats, axis=0)
 
-    sub, (toks, valid, lps) = jax.lax.scan(step, lay.constrain(sub), None, length=lay.steps_per_call)
-    K = lay.steps_per_call
-    lps = jax.tree.map(lambda x: x.reshape(K, D, W, *x.shape[2:]), lps)
-    return lay.constrain(jax.tree.map(give, slots, sub)), toks.reshape(K, D, W), valid.reshape(K, D, W), lps
+
+def _positions(x: jax.Array, K: int, D: int, W: int) -> jax.Array:
+    return jnp.moveaxis(x, 2, 1).reshape(K, D, W, *x.shape[3:])
+
+
+def _plain_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid):
+    """One token for every valid row: (slots, (tokens, valid, logprobs, stats)), per position [D*W, 1]."""
+    r = sub["rows"]
+    logits, model = decode_step(lay.cfg, params, r["token"], sub["model"], valid)
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
+    limited = grammar_limit(penalize(logits, r), logits, grammar_RxTxL, r["gstate"])
+    tok = sample_rows(limited, r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
+    tok = jnp.where(valid, tok, r["token"])
+    gstate = grammar_next(grammar_RxTxL, r["gstate"], tok, valid)
+    remaining = r["remaining"] - valid
+    stop = jnp.take_along_axis(r["stop_mask"], tok[:, None], axis=-1)[:, 0]
+    done = r["done"] | (valid & (stop | (remaining <= 0)))
+    counts = count_tokens(r["counts"], tok, valid)
+    rows = dict(r, token=tok, count=r["count"] + 1, remaining=remaining, done=done, counts=counts, gstate=gstate)
+    out = (tok, valid, token_logprobs(logits, tok), jnp.zeros((3,), jnp.int32))
+    return lay.constrain({"model": model, "rows": rows}), jax.tree.map(lambda x: x[:, None], out[:3]) + out[3:]
+
+
+def _idle_step(lay: SlotLayout, live, sub):
+    """Every row done or waiting for the host: the step skips the model (the outputs of ``live``'s
+    shapes, nothing valid)."""
+    r = sub["rows"]
+    shapes = jax.eval_shape(live, sub)[1]
+    outs = jax.tree.map(_zeros, shapes)
+    rows = dict(r, count=r["count"] + 1)
+    if lay.speculation is not None:
+        rows["skip"] = jnp.maximum(r["skip"] - 1, 0)
+    tok = jnp.broadcast_to(r["token"][:, None], outs[0].shape)
+    return lay.constrain({"model": sub["model"], "rows": rows}), (tok, *outs[1:])
+
+
+def _proposals(spec: NgramSpec, r: dict, valid_W: jax.Array) -> jax.Array:
+    """[W, K] draft ids per row (-1: none). A row proposes only while it samples from its own
+    logits alone: no penalties (their counts would change within the draft) and no grammar (its
+    state would); only as many as its ``remaining`` tokens allow; and not while its look-ups are
+    paused (``speculative.backoff``)."""
+    K = spec.num_speculative_tokens
+    plain = (r["presence"] == 0) & (r["frequency"] == 0) & (r["repetition"] == 1) & (r["gstate"] < 0)
+    on = valid_W & plain & (r["skip"] == 0) & (r["remaining"] > 1)
+
+    def look(history_WxL, hlen_W):
+        lookup = functools.partial(ngram_proposal, k=K, n_min=spec.prompt_lookup_min, n_max=spec.prompt_lookup_max)
+        return jax.vmap(lookup)(history_WxL, hlen_W)
+
+    none = lambda h, n: jnp.full((h.shape[0], K), -1, h.dtype)  # noqa: E731  every row paused: no look-up
+    draft = jax.lax.cond(jnp.any(on), look, none, r["history"], r["hlen"])
+    return jnp.where(on[:, None] & (jnp.arange(K)[None] < r["remaining"][:, None] - 1), draft, -1)
+
+
+def _spec_plain_step(lay: SlotLayout, plain, sub):
+    """No row has a draft: one plain step, its token appended to each row's history; the outputs
+    padded to K + 1 positions (only the first is real)."""
+    sub, (tok, valid, lps, stats) = plain(sub)
+    r = sub["rows"]
+    rows = _record(r, tok, valid[:, 0].astype(jnp.int32))
+    rows["skip"] = jnp.maximum(r["skip"] - 1, 0)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, lay.positions - 1)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    return dict(sub, rows=rows), (*jax.tree.map(pad, (tok, valid, lps)), stats)
+
+
+def _record(rows: dict, toks_WxN: jax.Array, emitted_W: jax.Array) -> dict:
+    """Each row's history with its first ``emitted`` tokens appended."""
+    history = jax.vmap(lambda h, n, t: jax.lax.dynamic_update_slice(h, t, (n,)))(
+        rows["history"], rows["hlen"], toks_WxN.astype(jnp.int32)
+    )
+    return dict(rows, history=history, hlen=rows["hlen"] + emitted_W)
+
+
+def _verify_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid, draft):
+    """One verify for every valid row: [token, draft] (K + 1 ids) through the model, the draft's
+    accepted prefix and one token of the row's own emitted (``sampling.speculative_accept``; a row
+    without a draft samples its one token exactly as a plain step does), cut at a stop token, and
+    the state replayed over the emitted tokens from the step's start (prefill's per-row lengths)."""
+    r = sub["rows"]
+    N = lay.positions
+    vcfg = dataclasses.replace(lay.cfg, attn_impl=VERIFY_IMPL)
+    fed = jnp.concatenate([r["token"][:, None], jnp.maximum(draft, 0)], axis=1)  # [W, N]
+    logits, verified = prefill(vcfg, params, fed, sub["model"], jnp.where(valid, N, 0))  # [W, N, V]
+
+    def limit(logits_WxV, t):  # position t: t tokens after the row's count (min_tokens)
+        pen = penalize(logits_WxV, dict(r, count=r["count"] + t))
+        return grammar_limit(pen, logits_WxV, grammar_RxTxL, r["gstate"])
+
+    limited = jax.vmap(limit, in_axes=(1, 0), out_axes=1)(logits, jnp.arange(N))
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
+    sampling = (r["temperature"], r["top_k"], r["top_p"])
+    toks, accepted = speculative_accept(limited, draft, *sampling, keys, r["min_p"])
+    own = sample_rows(limited[:, 0], *sampling, keys, r["min_p"])  # a row without a draft: as a plain step
+    toks = toks.at[:, 0].set(jnp.where(draft[:, 0] < 0, own, toks[:, 0]))
+    pos = jnp.arange(N)[None]
+    stop_WxN = jnp.take_along_axis(r["stop_mask"], toks, axis=-1)
+    first_stop = jnp.min(jnp.where(stop_WxN, pos, N), axis=-1)
+    emitted = jnp.where(valid, jnp.minimum(accepted + 1, first_stop + 1), 0)  # <= remaining (``_proposals``)
+    replay = functools.partial(prefill, vcfg, params, fed, sub["model"])
+    # the verify's own state is every valid row's when each emitted all K + 1 (an accepted loop)
+    # (the barrier keeps each layer's state a buffer of its own: without it the TPU compiler moved
+    # prefill's per-layer slices out of the conditional and copied the whole stack once per layer)
+    model = jax.lax.cond(
+        jnp.any(valid & (emitted < N)), lambda: jax.lax.optimization_barrier(replay(emitted)[1]), lambda: verified
+    )
+    fresh = emitted > 0
+    last = jnp.take_along_axis(toks, jnp.maximum(emitted - 1, 0)[:, None], axis=-1)[:, 0]
+    remaining = r["remaining"] - emitted
+    done = r["done"] | (valid & ((first_stop < emitted) | (remaining <= 0)))
+    proposed = draft[:, 0] >= 0
+    skip, pause = backoff(r["skip"], r["pause"], proposed, accepted)
+    rows = dict(
+        _record(r, toks, emitted),
+        token=jnp.where(fresh, last, r["token"]),
+        count=r["count"] + jnp.maximum(emitted, 1),
+        remaining=remaining,
+        done=done,
+        counts=count_tokens(r["counts"], toks[:, 0], fresh),  # rows with penalties emit one token per step
+        gstate=grammar_next(grammar_RxTxL, r["gstate"], toks[:, 0], fresh),  # so do rows with a grammar
+        skip=skip,
+        pause=pause,
+    )
+    stats = jnp.stack([jnp.sum(proposed & valid), jnp.sum((draft >= 0) & valid[:, None]), jnp.sum(accepted)])
+    out = (toks, pos < emitted[:, None], token_logprobs(logits, toks), stats.astype(jnp.int32))
+    return lay.constrain({"model": model, "rows": rows}), out
 
 
 def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:

@@ -66,18 +66,20 @@ class Slots:
         live, self.rows = self.live(), [[] for _ in self.rows]
         return live
 
-    def collect(self, toks: np.ndarray, valid: np.ndarray, lps: tuple, steps: int) -> tuple[dict, dict]:
-        """Hand one decode call's tokens ([steps, devices, width]) to their requests. Returns
-        ({d: finished slots}, {d: [(slot, request)] that finished with "stop" or "length"})."""
+    def collect(self, toks: np.ndarray, valid: np.ndarray, lps: tuple) -> tuple[dict, dict]:
+        """Hand one decode call's tokens ([positions, devices, width]; a row's real ones, marked by
+        ``valid``, in order, possibly with gaps: a speculative step emits 1 .. K + 1) to their
+        requests. Returns ({d: finished slots}, {d: [(slot, request)] that finished with "stop"
+        or "length"})."""
         lp, top_ids, top_lp = read_if(lps, self.live())
         done: dict[int, list[int]] = {}
         ended: dict[int, list[tuple[int, Request]]] = {}
         for d, rows in enumerate(self.rows):
             for i, req in enumerate(rows):
                 out, reason = [], None
-                for k in range(steps):
+                for k in range(toks.shape[0]):
                     if not valid[k, d, i]:
-                        break
+                        continue
                     t = int(toks[k, d, i])
                     scored = lp is not None and (float(lp[k, d, i]), top_ids[k, d, i], top_lp[k, d, i])
                     reason = accept(req, t, scored)

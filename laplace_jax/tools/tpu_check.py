@@ -202,9 +202,12 @@ def serve_reports(
     prefill_chunk: int,
     steps: int,
     programs: tuple[str, ...] = ("prefill", "decode", "sampler"),
+    speculative_config: str | None = None,
 ):
     """Serving's programs on ``devices`` (slots over a ``data`` mesh): prefill, each decode
-    bucket and the sampler, with per-chip limits (weights once, the state in and out)."""
+    bucket and the sampler, with per-chip limits (weights once per step, the state in and out).
+    ``speculative_config``: decode with speculation (each step a verify of K + 1 tokens; the
+    estimate counts a conditional's costliest branch, here the verify)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -221,7 +224,8 @@ def serve_reports(
     cfg = _serving_cfg(config)
     widths = make_buckets(buckets, max_num_seqs) or list(range(1, max_num_seqs + 1))
     mesh = Mesh(np.asarray(devices), ("data",))
-    lay = SlotLayout(cfg, mesh, "threefry2x32", steps, ServeConfig().structured_states)
+    serve = ServeConfig(speculative_config=speculative_config)
+    lay = SlotLayout(cfg, mesh, "threefry2x32", steps, serve.structured_states, serve.speculation(), cfg.max_seq_len)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
     n_params = count_params(abstract_params(cfg))  # serving places bf16 weights as they are off CPU
     out = []
@@ -232,12 +236,14 @@ def serve_reports(
         weights, state = _weight_and_state_bytes(cfg, rows)
         compiled = compile_for_tpu(fn, args, donate=donate)  # args carry the slots' shardings
         what = f"{name} [{prefill_chunk} tokens x 1 row per chip]" if name == "prefill" else f"decode W={width}"
+        if name == "decode" and lay.speculation is not None:
+            what += f" (speculative, K + 1 = {lay.positions} tokens per step)"
         per_call = weights * (1 if name == "prefill" else steps) + 2 * state
         out.append(report(compiled, chip, what, flops=2 * n_params * rows * tokens, bytes_=per_call))
     if "sampler" not in programs:
         return out
     W, V = max(widths), cfg.vocab_size
-    tpl = row_template(lay.prng, V)
+    tpl = row_template(lay.prng, V)  # the sampler alone: no history rows
     rows = {k: jax.ShapeDtypeStruct((W, *s), d) for k, (s, d, _) in tpl.items()}
 
     def sampler(logits, r, table=None):
@@ -288,6 +294,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--buckets", default="pow2", help="--serve: decode bucket widths (pow2 or e.g. 1,4,8)")
     ap.add_argument("--prefill-chunk", type=int, default=64, help="--serve: tokens per prefill call")
     ap.add_argument("--steps-per-call", type=int, default=4, help="--serve: decode tokens per call")
+    ap.add_argument(
+        "--speculative-config", help="--serve: decode with speculation (serve.py's JSON, e.g. num_speculative_tokens)"
+    )
     ap.add_argument("--json", action="store_true", help="print the reports as JSON instead of text")
     ap.add_argument("--out", help="also write the reports as JSON to this file")
     return ap
@@ -316,7 +325,16 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
         return prefill_reports(chip, devices, config, a.prefill)
     if a.serve:
         buckets = a.buckets if a.buckets in ("pow2", "exact") else a.buckets.split(",")
-        return serve_reports(chip, devices, config, a.max_num_seqs, buckets, a.prefill_chunk, a.steps_per_call)
+        return serve_reports(
+            chip,
+            devices,
+            config,
+            a.max_num_seqs,
+            buckets,
+            a.prefill_chunk,
+            a.steps_per_call,
+            speculative_config=a.speculative_config,
+        )
     from laplace_jax.train.tpu_plan import tpu_plan
 
     return [tpu_plan(config, a.topology)]

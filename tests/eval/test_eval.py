@@ -253,8 +253,8 @@ def test_short_recall_training_beats_chance(tmp_path):
     eval CLI at the training length. A 3-digit answer is guessed with probability ~1/900."""
     work = tmp_path / "recall"
     cmd = [sys.executable, "train.py", "--config", "configs/recall_tiny.py:1x", "--workdir", str(work)]
-    cmd += ["--config.data.seq_len=64", "--config.data.mqar.max_pairs=4", "--config.train.steps=300"]
-    cmd += ["--config.train.eval_every=0", "--config.train.ckpt_every=300"]
+    cmd += ["--config.data.seq_len=64", "--config.data.mqar.max_pairs=4", "--config.train.steps=160"]
+    cmd += ["--config.train.eval_every=0", "--config.train.ckpt_every=160", "--config.opt.warmup_steps=20"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs it
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
