@@ -250,11 +250,9 @@ def decode_program(lay: SlotLayout, params, slots, grammar_RxTxL, W: int):
         draft = _proposals(lay.speculation, r, valid)
         verify = functools.partial(_verify_step, lay, params, grammar_RxTxL, valid=valid, draft=draft)
         spec_plain = functools.partial(_spec_plain_step, lay, plain)
-
-        def live(s):
-            return jax.lax.cond(jnp.any(draft >= 0), verify, spec_plain, s)
-
-        return jax.lax.cond(jnp.any(valid), live, functools.partial(_idle_step, lay, live), sub)
+        idle = functools.partial(_idle_step, lay, verify)
+        branch = jnp.where(jnp.any(valid), jnp.where(jnp.any(draft >= 0), 2, 1), 0)  # one switch, not nested conds
+        return jax.lax.switch(branch, (idle, spec_plain, verify), sub)
 
     sub, (toks, valid, lps, stats) = jax.lax.scan(
         step, lay.constrain(jax.tree.map(take, slots)), None, length=lay.steps_per_call

@@ -21,7 +21,9 @@ SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 # a model whose greedy output falls into loops (drafts accepted) and leaves them (drafts rejected)
 LOOPY = init_params(dataclasses.replace(CFG, init_std=0.05), jax.random.key(1))
 PROMPTS = ["abcabcabcabcabcabc", "the cat sat on the mat. the cat sat on the mat. the cat", "hello", "x"]
-ENGINE = dict(params=LOOPY, max_num_seqs=4, prefill_chunk=16, steps_per_call=4)
+ENGINE = dict(
+    params=LOOPY, max_num_seqs=4, prefill_chunk=16, steps_per_call=4, decode_buckets="4"
+)  # one compiled width
 
 
 @pytest.fixture(scope="module")
