@@ -167,21 +167,36 @@ def speculative_accept(
     rule, so the emitted tokens are distributed exactly as ``sample_rows`` one position at a time.
     """
     W, N, V = logits_WxNxV.shape
-    K = N - 1
     rep = lambda x: None if x is None else jnp.repeat(x, N, axis=0)  # noqa: E731
     masked = limit_logits(logits_WxNxV.reshape(W * N, V), rep(temperature_W), rep(top_k_W), rep(top_p_W), rep(min_p_W))
     masked = masked.reshape(W, N, V)
-    draft = jnp.concatenate([draft_WxK, jnp.full((W, 1), -1, draft_WxK.dtype)], axis=1)  # no draft after the last
+    draft = _padded(draft_WxK)
     keys = jax.vmap(lambda key: jax.random.split(key, 2 * N).reshape(2, N))(keys_W)  # [W, 2, N]: accept, draw
     lsm = jax.nn.log_softmax(masked, axis=-1)
     p_draft = jnp.exp(jnp.take_along_axis(lsm, jnp.maximum(draft, 0)[..., None], axis=-1)[..., 0])
     u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(key)))(keys[:, 0])
     greedy_W = temperature_W <= 0
     argmax = jnp.argmax(logits_WxNxV, axis=-1).astype(jnp.int32)
-    ok = jnp.where(greedy_W[:, None], draft == argmax, (draft >= 0) & (u < p_draft))[:, :K]
-    accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1).astype(jnp.int32)
     residual = jnp.where(jnp.arange(V) == draft[..., None], -jnp.inf, masked)  # p without the rejected token
     drawn = jax.vmap(jax.vmap(jax.random.categorical))(keys[:, 1], residual).astype(jnp.int32)
-    own = jnp.where(greedy_W[:, None], argmax, drawn)
-    tokens = jnp.where(jnp.arange(N) < accepted[:, None], draft, own)
-    return tokens, accepted
+    ok = jnp.where(greedy_W[:, None], draft == argmax, (draft >= 0) & (u < p_draft))
+    return _keep_prefix(draft, ok, jnp.where(greedy_W[:, None], argmax, drawn))
+
+
+def greedy_accept(logits_WxNxV: Array, draft_WxK: Array) -> tuple[Array, Array]:
+    """``speculative_accept`` when every row decodes greedily: the same tokens and counts, with no
+    draws (the draft is kept while it equals the argmax, then the argmax)."""
+    draft = _padded(draft_WxK)
+    argmax = jnp.argmax(logits_WxNxV, axis=-1).astype(jnp.int32)
+    return _keep_prefix(draft, draft == argmax, argmax)
+
+
+def _padded(draft_WxK: Array) -> Array:
+    """[W, K + 1]: the draft and a -1 after it (no draft after the last position)."""
+    return jnp.concatenate([draft_WxK, jnp.full((draft_WxK.shape[0], 1), -1, draft_WxK.dtype)], axis=1)
+
+
+def _keep_prefix(draft_WxN: Array, ok_WxN: Array, own_WxN: Array) -> tuple[Array, Array]:
+    """The draft while every position so far was accepted, then the row's own token: (tokens, accepted)."""
+    accepted = jnp.sum(jnp.cumprod(ok_WxN[:, :-1], axis=1), axis=1).astype(jnp.int32)
+    return jnp.where(jnp.arange(draft_WxN.shape[1]) < accepted[:, None], draft_WxN, own_WxN), accepted

@@ -30,18 +30,20 @@ from laplace_jax.sampling import sample_rows, speculative_accept
 Array = jax.Array
 MAX_PAUSE = 64  # steps without look-ups after repeated outright rejections
 MAX_SPECULATIVE_TOKENS = 7  # K + 1 <= 8 tokens per verify call
+DEFAULT_LOOKUP = 5  # vLLM's n-gram bounds when neither is given
 
 
 @dataclasses.dataclass(frozen=True)
 class NgramSpec:
     """Speculative decoding by n-gram prompt lookup, in vLLM's ``--speculative-config`` spelling:
-    ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}``.
-    ``num_speculative_tokens`` (K) draft tokens are verified per call; the longest n-gram of the
-    sequence's end, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, is looked up."""
+    ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}``.
+    ``num_speculative_tokens`` (K) draft tokens are verified per step; the longest n-gram of the
+    sequence's end, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, is looked up. As
+    vLLM: either bound alone sets both, and neither means 5 and 5."""
 
     num_speculative_tokens: int
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = DEFAULT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_LOOKUP
 
     @classmethod
     def parse(cls, text: str) -> NgramSpec:
@@ -64,6 +66,9 @@ class NgramSpec:
         for k, v in values.items():
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"{k} must be an integer; got {v!r}")
+        lo, hi = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")  # vLLM's defaults
+        values["prompt_lookup_min"] = lo if lo is not None else hi if hi is not None else DEFAULT_LOOKUP
+        values["prompt_lookup_max"] = hi if hi is not None else values["prompt_lookup_min"]
         spec = cls(**values)
         if not 1 <= spec.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(

@@ -181,7 +181,9 @@ def test_speculative_acceptance_keeps_the_plain_sampling_distribution(ranks):
 
 
 def test_greedy_speculation_keeps_the_argmax_prefix():
-    from laplace_jax.sampling import speculative_accept
+    """Both the general rule at temperature 0 and ``greedy_accept`` (no draws, used when every row
+    is greedy) keep the draft while it equals the argmax."""
+    from laplace_jax.sampling import greedy_accept, speculative_accept
 
     logits = jnp.asarray(np.eye(8)[[2, 5, 7, 1]][None] * 4.0, jnp.float32)  # argmax 2, 5, 7, 1
     zero = jnp.zeros((1,))
@@ -190,3 +192,5 @@ def test_greedy_speculation_keeps_the_argmax_prefix():
             logits, jnp.asarray([draft]), zero, zero.astype(int), zero + 1, jax.random.split(jax.random.key(0), 1)
         )
         assert int(n[0]) == want_n and list(np.asarray(tokens[0, : want_n + 1])) == want
+        g_tokens, g_n = greedy_accept(logits, jnp.asarray([draft]))
+        assert int(g_n[0]) == want_n and np.array_equal(np.asarray(g_tokens), np.asarray(tokens))

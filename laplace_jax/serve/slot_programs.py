@@ -45,6 +45,7 @@ from laplace_jax.sampling import (
     count_tokens,
     grammar_limit,
     grammar_next,
+    greedy_accept,
     penalize,
     sample_rows,
     speculative_accept,
@@ -352,9 +353,14 @@ def _verify_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid, draft):
     limited = jax.vmap(limit, in_axes=(1, 0), out_axes=1)(logits, jnp.arange(N))
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
     sampling = (r["temperature"], r["top_k"], r["top_p"])
-    toks, accepted = speculative_accept(limited, draft, *sampling, keys, r["min_p"])
-    own = sample_rows(limited[:, 0], *sampling, keys, r["min_p"])  # a row without a draft: as a plain step
-    toks = toks.at[:, 0].set(jnp.where(draft[:, 0] < 0, own, toks[:, 0]))
+
+    def sampled():  # some row samples: the rejection rule, and a row without a draft draws as a plain step
+        toks, accepted = speculative_accept(limited, draft, *sampling, keys, r["min_p"])
+        own = sample_rows(limited[:, 0], *sampling, keys, r["min_p"])
+        return toks.at[:, 0].set(jnp.where(draft[:, 0] < 0, own, toks[:, 0])), accepted
+
+    greedy = functools.partial(greedy_accept, limited, draft)  # every row greedy: no draws (the same tokens)
+    toks, accepted = jax.lax.cond(jnp.any(valid & (r["temperature"] > 0)), sampled, greedy)
     pos = jnp.arange(N)[None]
     stop_WxN = jnp.take_along_axis(r["stop_mask"], toks, axis=-1)
     first_stop = jnp.min(jnp.where(stop_WxN, pos, N), axis=-1)

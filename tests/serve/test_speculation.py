@@ -120,7 +120,10 @@ def test_a_row_hands_every_emitted_position_in_order():
         ('{"method": "eagle", "num_speculative_tokens": 2}', "only 'ngram'"),
         ('{"num_speculative_tokens": 12}', "1..7"),
         ('{"num_speculative_token": 3}', "unknown field(s) num_speculative_token"),
-        ('{"num_speculative_tokens": 3, "prompt_lookup_min": 5}', "prompt_lookup_min <= prompt_lookup_max"),
+        (
+            '{"num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 4}',
+            "prompt_lookup_min <= prompt_lookup_max",
+        ),
     ],
 )
 def test_a_bad_speculative_config_is_refused_by_name(text, words):
