@@ -9,6 +9,7 @@ import httpx
 import jax
 import numpy as np
 import pytest
+import scipy.stats
 from serving_helpers import CFG, TOK, Running, reference_greedy
 
 from laplace_jax import init_params
@@ -17,7 +18,7 @@ from laplace_jax.serve.metrics import sample_sum
 from laplace_jax.serve.request import Request, SamplingParams
 from laplace_jax.serve.slots import Slots
 
-SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 # a model whose greedy output falls into loops (drafts accepted) and leaves them (drafts rejected)
 LOOPY = init_params(dataclasses.replace(CFG, init_std=0.05), jax.random.key(1))
 PROMPTS = ["abcabcabcabcabcabc", "the cat sat on the mat. the cat sat on the mat. the cat", "hello", "x"]
@@ -99,6 +100,33 @@ def test_seeded_sampling_is_reproducible_and_runs_to_length(pair):
     first, second = spec.post({"model": "tiny", **body}).json(), spec.post({"model": "tiny", **body}).json()
     assert first["choices"] == second["choices"] and first["choices"][0]["finish_reason"] == "length"
     assert first["usage"]["completion_tokens"] == 32
+
+
+def test_sampled_tokens_keep_plain_decodings_distribution(pair):
+    """Every token of a 256-id prompt occurs in it, so after the first sampled token the 1-gram
+    look-up always drafts: the next two tokens come from the rejection rule. The three tokens'
+    joint distribution over 300 seeds (top_k 3: at most 27 outcomes) against the plain server's:
+    a chi-square homogeneity test at p = 0.001 does not tell them apart (a rule that accepts every
+    draft token shares no outcome with plain decoding here: chi2 600)."""
+    spec, plain = pair
+    prompt = [int(t) for t in np.random.default_rng(0).permutation(256)]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 1.0, "top_k": 3, "ignore_eos": True}
+    body |= {"logprobs": 0, "return_tokens_as_token_ids": True}  # the ids, whatever bytes they are
+    drafts = spec.engine.programs.speculation_counts[0]
+
+    def outcomes(srv):
+        with ThreadPoolExecutor(4) as pool:
+            got = pool.map(lambda seed: srv.post({**body, "seed": seed}).json(), range(300))
+            return [tuple(r["choices"][0]["logprobs"]["tokens"]) for r in got]
+
+    a, b = outcomes(spec), outcomes(plain)
+    assert spec.engine.programs.speculation_counts[0] - drafts >= 300  # every request verified drafts
+    keys = sorted(set(a) | set(b))
+    table = np.asarray([[x.count(k) for k in keys] for x in (a, b)], float)
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    chi2 = float(((table - expected) ** 2 / expected).sum())
+    df = len(keys) - 1
+    assert chi2 < scipy.stats.chi2.ppf(0.999, df), (chi2, df)
 
 
 def test_a_row_hands_every_emitted_position_in_order():
