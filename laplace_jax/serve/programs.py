@@ -221,7 +221,8 @@ class DevicePrograms:
         ``speculation_counts``."""
         ex = self.executables[("decode", width)]
         self.slots, toks, valid, lps, counts = ex(self.params, self.slots, self.grammar)
-        self.speculation_counts += np.asarray(counts)
+        if self.layout.speculation is not None:  # (zeros otherwise: no transfer)
+            self.speculation_counts += np.asarray(counts)
         return np.asarray(toks), np.asarray(valid), lps
 
     def write_grammar(self, base: int, rows_NxV: np.ndarray) -> None:
