@@ -45,8 +45,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--topology", default="v5p:1x1x1")
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument(
+        "--verify-impl", default=slot_programs.VERIFY_IMPL, help="the verify's GLA kernel (a model.attn_impl name)"
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    slot_programs.VERIFY_IMPL = a.verify_impl  # read when the verify is traced
     chip, devices = tpu_devices(a.topology)
     cfg = _serving_cfg(load_run_config(a.config))
     spec = ServeConfig(speculative_config=f'{{"method": "ngram", "num_speculative_tokens": {a.k}}}').speculation()
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
     N = a.k + 1
     res = {"config": a.config, "topology": a.topology, "k": a.k, "label": "TPU compiler estimate", "widths": {}}
+    res["verify_impl"] = a.verify_impl
     for W in a.widths:
         plain_lay = slot_programs.SlotLayout(cfg, mesh, "threefry2x32", N, 64)
         *_, plain_fn, plain_args, donate = serving_programs(plain_lay, params, W, 64, [W])[-1]
