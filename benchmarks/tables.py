@@ -1257,6 +1257,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "structured": (("structured_cpu.json",), _structured),
     "structured_tpu": (("structured_tpu.json", "structured_tpu_layouts.json"), _structured_tpu),
     "structured_ab": (("serve_cpu_structured_ab.json",), _serve_ab),
+    "speculation_ab": (("serve_cpu_speculation_ab.json",), _serve_ab),
     "auto_tpu": (("auto_tpu_kernel.json", "auto_tpu.json"), _auto_tpu),
     "tolerances": (
         ("numerics_kernels.json", "decay_sweep.json", "numerics_recall_1x.json", "numerics_recall_1x_exact.json"),
