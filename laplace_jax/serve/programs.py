@@ -62,6 +62,7 @@ class DevicePrograms:
         self.mesh = Mesh(np.asarray(devices), ("data",))
         self.layout = SlotLayout(cfg, self.mesh, prng, steps_per_call, grammar_rows, speculation, max_model_len)
         self.speculation_counts = np.zeros((3,), np.int64)  # drafts, draft tokens, accepted tokens (device counts)
+        self.template, self.fields = self.layout.row_template(), self.layout.request_fields()  # per-slot row fields
         on_cpu = devices[0].platform == "cpu"  # XLA:CPU needs bf16 weights as bits (pack_weights)
         self.params = jax.device_put(pack_weights(params) if on_cpu else params, NamedSharding(self.mesh, P()))
         self.executables: dict[tuple[str, int], Any] = {}
@@ -76,7 +77,7 @@ class DevicePrograms:
     def new_slots(self) -> dict:
         """Fresh slot buffers (every slot idle), sharded over the devices."""
         n = self.D * self.S
-        rows = {k: np.full((n, *shape), idle, dtype) for k, (shape, dtype, idle) in self.layout.row_template().items()}
+        rows = {k: np.full((n, *shape), idle, dtype) for k, (shape, dtype, idle) in self.template.items()}
         return {
             "model": jax.device_put(init_state(self.cfg, n), self.layout.slot_sharding()),
             "rows": jax.device_put(rows, self.layout.slot_sharding()),
@@ -198,7 +199,7 @@ class DevicePrograms:
         """Write device d's prefilled row into its local slot ``requests[d][0]`` with sampling row
         ``requests[d][1]``; returns the first sampled token per device [D] (host) and its
         (logprob [D], top ids [D, k], top logprobs [D, k]) (device)."""
-        D, tpl, fields = self.D, self.layout.row_template(), self.layout.request_fields()
+        D, tpl, fields = self.D, self.template, self.fields
         req = {k: np.full((D, *tpl[k][0]), tpl[k][2], tpl[k][1]) for k in fields}
         local = np.full((D,), -1, np.int32)
         for d, (slot, row) in requests.items():
