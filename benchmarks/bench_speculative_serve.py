@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
                 "speculative_tpot_ms": 1e3 * statistics.median(r["tpot_s"] for r in s),
                 "acceptance_rate": float(accepted / proposed) if proposed else 0.0,
                 "drafts": int(drafts),
+                # output tokens that came from verify steps (each: its accepted draft tokens and one more)
+                "verified_share": float((drafts + accepted) / sum(r["tokens"] for r in rounds["speculative"])),
             }
             res["runs"][f"{workload}/W={width}"] = row
             print(row, flush=True)

@@ -6,19 +6,22 @@ steps, for a model config (the 3B model by default), without a TPU.
 Per decode width W (the rows of one chip), compiled for ``--topology`` with bf16 weights:
 
 - ``plain``: serving's decode program with K + 1 steps per call (K + 1 tokens per row);
-- ``verify``: one speculative step (``slot_programs._verify_step``): K + 1 tokens through the model,
-  acceptance, and the replay of a partial acceptance (a conditional; the estimate sums both of
-  its branches, so this is a step whose draft was cut short);
-- ``replay``: prefill of K + 1 tokens from the slots' states with per-row lengths (the replay
-  branch alone), so ``verify - replay`` is a step whose every row accepted its whole draft.
+- ``verify``: one speculative step (``slot_programs._verify_step``: K + 1 tokens through the model,
+  acceptance, the state committed over the emitted tokens), once per way to roll the state back
+  (``models.gla_lm.verify``'s traces): each GLA layer's inputs replayed (``verify_inputs``) or
+  its state after every position kept (``verify_states``); its time and its temporaries;
+- ``model_replay``: the rollback the commit replaced, a second pass of the K + 1 tokens through
+  the model (prefill with per-row lengths), for comparison.
 
-Every time is the compiler's estimate (its cost model), never a measurement.
+Every time and size is the compiler's estimate (its cost model, its buffer assignment), never a
+measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +30,7 @@ from jax.sharding import Mesh
 
 from benchmarks.common import write_result
 from laplace_jax.config import load_run_config
+from laplace_jax.layers.common import TRACES
 from laplace_jax.models.gla_lm import abstract_params, prefill
 from laplace_jax.serve import slot_programs
 from laplace_jax.serve.config import ServeConfig
@@ -51,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     slot_programs.VERIFY_IMPL = a.verify_impl  # read when the verify is traced
+    keep_default = slot_programs.VERIFY_KEEP
     chip, devices = tpu_devices(a.topology)
     cfg = _serving_cfg(load_run_config(a.config))
     spec = ServeConfig(speculative_config=f'{{"method": "ngram", "num_speculative_tokens": {a.k}}}').speculation()
@@ -59,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     N = a.k + 1
     res = {"config": a.config, "topology": a.topology, "k": a.k, "label": "TPU compiler estimate", "widths": {}}
     res["verify_impl"] = a.verify_impl
+    res["serving_keeps"] = keep_default
     for W in a.widths:
         plain_lay = slot_programs.SlotLayout(cfg, mesh, "threefry2x32", N, 64)
         *_, plain_fn, plain_args, donate = serving_programs(plain_lay, params, W, 64, [W])[-1]
@@ -70,25 +76,28 @@ def main(argv: list[str] | None = None) -> None:
 
         def verify(p, sub, g, d, lay=lay):
             valid = jnp.ones(sub["rows"]["token"].shape, bool)
-            return slot_programs._verify_step(lay, p, g, sub, valid=valid, draft=d)
+            return slot_programs._verify_step(lay, p, g, sub, valid=valid, draft=d, looked=valid)
 
-        def replay(p, sub, lengths, lay=lay):
+        def model_replay(p, sub, lengths, lay=lay):
             vcfg = dataclasses.replace(lay.cfg, attn_impl=slot_programs.VERIFY_IMPL)
             fed = jnp.zeros((lengths.shape[0], N), jnp.int32)
             return prefill(vcfg, p, fed, sub["model"], lengths)[1]
 
-        verify_s = _seconds(compile_for_tpu(verify, (p_args, slots, table, draft)), chip)
+        row = {"plain_k1_steps_s": plain_s}
+        for keep in TRACES:
+            slot_programs.VERIFY_KEEP = keep  # read when the verify is traced
+            traced = functools.partial(verify)  # a function of its own: jit's cache would keep the first trace
+            compiled = compile_for_tpu(traced, (p_args, slots, table, draft))
+            verify_s = _seconds(compiled, chip)
+            row[keep] = {
+                "verify_s": verify_s,
+                "temporaries_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                "speedup_all_accepted": plain_s / verify_s,
+                "break_even_tokens": verify_s / (plain_s / N),
+            }
+        slot_programs.VERIFY_KEEP = keep_default
         lengths = jax.ShapeDtypeStruct((W,), jnp.int32, sharding=slots["rows"]["token"].sharding)
-        replay_s = _seconds(compile_for_tpu(replay, (p_args, slots, lengths)), chip)
-        full_s = verify_s - replay_s
-        row = {
-            "plain_k1_steps_s": plain_s,
-            "verify_with_replay_s": verify_s,
-            "replay_s": replay_s,
-            "verify_full_acceptance_s": full_s,
-            "speedup_full_acceptance": plain_s / full_s,
-            "break_even_tokens_with_replay": verify_s / (plain_s / N),
-        }
+        row["model_replay_s"] = _seconds(compile_for_tpu(model_replay, (p_args, slots, lengths)), chip)
         res["widths"][str(W)] = row
         print(W, row, flush=True)
     write_result(res, "bench_speculative_tpu", argv, a.out)

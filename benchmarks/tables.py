@@ -171,6 +171,22 @@ def _tpu_before_after(r: dict, baseline: dict) -> list[str]:
     return rows
 
 
+def _decode_one_row(now: dict, before: dict) -> list[str]:
+    """One sequence's decode step before and after the one-row product is padded to two rows."""
+    was = {rep["program"]: rep for rep in before["reports"]}
+    rows = ["| program | TPU | before (8b13770) | now | hand-counted limit | share of the limit, before -> now |"]
+    rows.append("|---|---|---|---|---|---|")
+    for rep in now["reports"]:
+        old = was[rep["program"]]
+        lim = rep["limit"]["seconds"]
+        old_s, now_s = old["estimate"]["seconds"], rep["estimate"]["seconds"]
+        rows.append(
+            f"| {rep['program']} | {rep['chip']} | {_ms(old_s)} | {_ms(now_s)} | {_ms(lim)} | "
+            f"{100 * lim / old_s:.0f}% -> {100 * lim / now_s:.0f}% |"
+        )
+    return rows
+
+
 def _tpu_prefill(r: dict) -> list[str]:
     rows = ["| prompt (1 row) | TPU | compiler estimate | tokens/s per chip | FLOP limit | share of the limit |"]
     rows.append("|---|---|---|---|---|---|")
@@ -457,7 +473,7 @@ def _speculative(r: dict) -> list[str]:
 
 def _speculative_serve(r: dict) -> list[str]:
     head = ["workload", "W", "plain tok/s", "speculative tok/s", "speedup", "plain ms per token",
-            "speculative ms per token", "draft tokens accepted"]  # fmt: skip
+            "speculative ms per token", "draft tokens accepted", "tokens from verify steps"]  # fmt: skip
     rows = [
         [
             m["workload"],
@@ -468,6 +484,7 @@ def _speculative_serve(r: dict) -> list[str]:
             f"{m['plain_tpot_ms']:.2f}",
             f"{m['speculative_tpot_ms']:.2f}",
             f"{m['acceptance_rate']:.0%}",
+            f"{m['verified_share']:.0%}",
         ]
         for m in r["runs"].values()
     ]
@@ -481,29 +498,35 @@ def _speculative_serve(r: dict) -> list[str]:
 
 
 def _speculative_tpu(*reports: dict) -> list[str]:
-    """One verify step against K + 1 plain steps, per verify kernel (one report each) and width."""
+    """One verify step against K + 1 plain steps, per verify kernel (one report each), width and
+    rollback (the trace a verify keeps)."""
     r0 = reports[0]
-    head = ["verify kernel", "W", f"{r0['k'] + 1} plain steps (ms)", "verify + replay (ms)",
-            "verify, whole draft accepted (ms)", "speedup, whole draft accepted",
-            "tokens per verify to break even with a replay"]  # fmt: skip
+    head = ["verify kernel", "W", f"{r0['k'] + 1} plain steps (ms)", "rollback", "verify step (ms)",
+            "temporaries (MB)", f"speedup, {r0['k']} of {r0['k']} accepted", "tokens per verify to break even",
+            "a model replay would add (ms)"]  # fmt: skip
     rows = [
         [
-            f"`{r.get('verify_impl', 'recurrent')}`",
+            f"`{r['verify_impl']}`",
             w,
             f"{m['plain_k1_steps_s'] * 1e3:.2f}",
-            f"{m['verify_with_replay_s'] * 1e3:.2f}",
-            f"{m['verify_full_acceptance_s'] * 1e3:.2f}",
-            f"{m['speedup_full_acceptance']:.2f}x",
-            f"{m['break_even_tokens_with_replay']:.2f}",
+            f"`{keep}`" + (" (serving)" if keep == r["serving_keeps"] else ""),
+            f"{m[keep]['verify_s'] * 1e3:.2f}",
+            f"{m[keep]['temporaries_bytes'] / 1e6:,.0f}",
+            f"{m[keep]['speedup_all_accepted']:.2f}x",
+            f"{m[keep]['break_even_tokens']:.2f}",
+            f"{m['model_replay_s'] * 1e3:.2f}",
         ]
         for r in reports
         for w, m in r["widths"].items()
+        for keep in ("verify_inputs", "verify_states")
     ]
     return [
         *_grid(head, rows),
         "",
         f"{r0['config']}, {r0['topology']}, K={r0['k']}: {r0['label']}, not a measurement (`auto` compiles the "
-        "Pallas TPU chunk kernel, counted at its static schedule or DMA floor).",
+        "Pallas TPU chunk kernel, counted at its static schedule or DMA floor). The rollback `verify_inputs` "
+        "replays each GLA layer's k, v and gates over the emitted tokens; `verify_states` keeps the state after "
+        "every position. The last column is the second pass through the model the rollback replaced.",
     ]
 
 
@@ -1268,6 +1291,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "tpu_train": (("tpu_programs.json",), _tpu_train),
     "tpu_sources": (("tpu_programs.json",), _tpu_sources),
     "tpu_prefill": (("tpu_programs.json",), _tpu_prefill),
+    "decode_one_row": (("decode_w1_tpu.json", "decode_w1_tpu_before.json"), _decode_one_row),
     "tpu_calibration": (("tpu_calibration.json",), _tpu_calibration),
     "tpu_remat": (("tpu_remat.json",), _tpu_remat),
     "tpu_before_after": (("tpu_programs.json", "tpu_baseline.json"), _tpu_before_after),

@@ -5,13 +5,14 @@ out, stats = speculative_sample(cfg, params, prompt_ids, 200, num_speculative_to
 
 The whole loop is one compiled ``lax.while_loop`` (no host round trip per token): each iteration
 looks the last n-gram up in the sequence so far (``ngram_proposal``, on device), feeds [last
-token, draft] (K + 1 tokens) through ``prefill`` from the state before them, accepts a prefix, and
-replays the kept tokens from the same state with ``prefill``'s per-row length (the replay variant
-of issue 54: no per-position states are stored). An iteration with no proposal takes one plain
-decode step instead, and after a draft is rejected outright the lookup pauses (1, 2, 4 .. 64
-tokens), so failed speculation costs little. The serving engine runs the same proposals, acceptance
-and replay for every slot inside its multi-step decode call (``serve/slot_programs.py``), configured
-by ``NgramSpec`` (``serve.py --speculative-config``).
+token, draft] (K + 1 tokens) through the model from the state before them (``gla_lm.verify``),
+accepts a prefix, and commits the state over the kept tokens from the verify's trace (each GLA
+layer's k, v and gates replayed; ``gla_lm.commit``: no second read of the weights). An iteration
+with no proposal takes one plain decode step instead, and after a draft is rejected outright the
+lookup pauses (1, 2, 4 .. 64 tokens; after a look-up that found nothing, up to 8), so failed
+speculation costs little. The serving engine runs
+the same proposals, acceptance and commit for every slot inside its multi-step decode call
+(``serve/slot_programs.py``), configured by ``NgramSpec`` (``serve.py --speculative-config``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import jax
 import jax.numpy as jnp
 
 from laplace_jax.config import ModelConfig
-from laplace_jax.models.gla_lm import decode_step, init_state, prefill
+from laplace_jax.models.gla_lm import commit, decode_step, init_state, prefill, verify
 from laplace_jax.sampling import sample_rows, speculative_accept
 
 Array = jax.Array
 MAX_PAUSE = 64  # steps without look-ups after repeated outright rejections
+MAX_MISS_PAUSE = 8  # ... after repeated look-ups that found no n-gram
 MAX_SPECULATIVE_TOKENS = 7  # K + 1 <= 8 tokens per verify call
 DEFAULT_LOOKUP = 5  # vLLM's n-gram bounds when neither is given
 
@@ -116,13 +118,16 @@ def ngram_proposal(tokens_L: Array, length: Array, k: int, n_min: int = 1, n_max
     return best
 
 
-def backoff(skip: Array, pause: Array, proposed: Array, accepted: Array) -> tuple[Array, Array]:
-    """Speculation that fails turns itself off: after a draft is rejected outright, the next
-    ``pause`` lookups are skipped and the pause doubles (up to ``MAX_PAUSE``); an accepted token
-    resets it to 1. Any shapes (one sequence or a row per slot). Returns (skip, pause)."""
-    rejected = proposed & (accepted == 0)
-    skip = jnp.where(rejected, pause, jnp.maximum(skip - 1, 0))
-    pause = jnp.where(rejected, jnp.minimum(2 * pause, MAX_PAUSE), jnp.where(accepted > 0, 1, pause))
+def backoff(skip: Array, pause: Array, looked: Array, proposed: Array, accepted: Array) -> tuple[Array, Array]:
+    """Speculation that fails turns itself off: after a look-up (``looked``) that found nothing,
+    or a draft rejected outright, the next ``pause`` look-ups are skipped and the pause doubles, up
+    to ``MAX_MISS_PAUSE`` after a miss (text that starts repeating is found again within a few
+    tokens) and ``MAX_PAUSE`` after a rejection; an accepted token resets it to 1. Any shapes (one
+    sequence or a row per slot). Returns (skip, pause)."""
+    failed = looked & (accepted == 0)
+    cap = jnp.where(proposed, MAX_PAUSE, MAX_MISS_PAUSE)
+    skip = jnp.where(failed, pause, jnp.maximum(skip - 1, 0))
+    pause = jnp.where(failed, jnp.minimum(2 * pause, cap), jnp.where(accepted > 0, 1, pause))
     return skip, pause
 
 
@@ -150,13 +155,12 @@ def _generate(
     the K + 1 tokens of a verify call run through ``verify_cfg``'s GLA kernel."""
     end = length + n_new
 
-    def verify(c, last, draft):
+    def check(c, last, draft):
         fed = jnp.concatenate([last[None], jnp.maximum(draft, 0)])[None]
-        logits, _ = prefill(verify_cfg, params, fed, c["state"])
+        logits, trace = verify(verify_cfg, params, fed, c["state"], jnp.ones((1,), bool))
         toks, n = speculative_accept(logits, draft[None], *limits, c["key"][None])
         keep = jnp.minimum(n[0] + 1, end - c["length"])
-        _, state = prefill(verify_cfg, params, fed, c["state"], keep[None])
-        return toks[0], keep, n[0], state
+        return toks[0], keep, n[0], commit(verify_cfg, c["state"], trace, keep[None])
 
     def plain(c, last, _):
         logits, state = decode_step(cfg, params, last[None], c["state"])
@@ -170,10 +174,11 @@ def _generate(
         draft = jnp.where((jnp.arange(K) < room) & (c["skip"] == 0), draft, -1)
         proposed = jnp.sum(draft >= 0)
         last = c["tokens"][c["length"] - 1]
-        toks, keep, n, c["state"] = jax.lax.cond(proposed > 0, verify, plain, dict(c, key=sub), last, draft)
+        toks, keep, n, c["state"] = jax.lax.cond(proposed > 0, check, plain, dict(c, key=sub), last, draft)
         c["tokens"] = jax.lax.dynamic_update_slice(c["tokens"], toks, (c["length"],))
         c["length"] = c["length"] + keep
-        c["skip"], c["pause"] = backoff(c["skip"], c["pause"], proposed > 0, n)
+        looked = (c["skip"] == 0) & (room > 0)
+        c["skip"], c["pause"] = backoff(c["skip"], c["pause"], looked, proposed > 0, n)
         counts = jnp.stack([proposed > 0, proposed == 0, proposed, n]).astype(jnp.int32)
         c["stats"] = c["stats"] + counts
         return c

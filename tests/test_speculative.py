@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from laplace_jax.speculative import ngram_proposal, speculative_sample
+from laplace_jax.speculative import MAX_MISS_PAUSE, MAX_PAUSE, backoff, ngram_proposal, speculative_sample
 
 
 def _brute_force(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -40,6 +40,27 @@ def test_ngram_proposal_examples_and_a_brute_force_search():
         for _ in range(40):
             seq = [int(t) for t in rng.integers(0, 4, rng.integers(1, 41))]
             assert _proposal(seq, k, lo, hi) == _brute_force(seq, k, lo, hi), (seq, k, lo, hi)
+
+
+def test_failed_speculation_pauses_the_lookups_and_an_accepted_token_resumes_them():
+    """Events per step: "miss" (looked, no n-gram), "reject" (a draft, none accepted), "accept",
+    "-" (no look-up). Look-ups run only at skip 0; pauses double to their caps."""
+
+    def run(events):
+        skip, pause, ran = jnp.int32(0), jnp.int32(1), []
+        for e in events:
+            looked = bool(skip == 0) and e != "-"
+            ran.append(looked)
+            proposed, accepted = looked and e in ("reject", "accept"), 2 if looked and e == "accept" else 0
+            skip, pause = backoff(skip, pause, jnp.bool_(looked), jnp.bool_(proposed), jnp.int32(accepted))
+        return ran, int(pause)
+
+    ran, pause = run(["miss"] * 40)  # a miss skips the next 1, 2, 4, then 8 look-ups
+    assert [i for i, r in enumerate(ran) if r] == [0, 2, 5, 10, 19, 28, 37] and pause == MAX_MISS_PAUSE
+    ran, pause = run(["reject"] * 200)  # a rejection skips the next 1, 2, 4 .. 64
+    assert [i for i, r in enumerate(ran) if r] == [0, 2, 5, 10, 19, 36, 69, 134, 199] and pause == MAX_PAUSE
+    ran, pause = run(["reject"] * 10 + ["accept"] * 5)  # an accepted token: a look-up every step again
+    assert ran[-3:] == [True] * 3 and pause == 1
 
 
 @pytest.fixture(scope="module")

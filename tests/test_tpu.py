@@ -194,6 +194,28 @@ def test_decode_writes_each_layers_state_once_and_reads_no_stack():
     assert compiled.memory_analysis().temp_size_in_bytes < state_bytes
 
 
+def test_a_one_row_decode_step_costs_no_more_than_two_rows():
+    """The TPU compiler lowers a one-row product as multiply-and-reduce over the whole weight;
+    ``layers.common.matmul`` pads the row to two there, so one sequence's decode step is estimated
+    at most two's (it was 1.6x the two-row step at the 3B shape)."""
+    import dataclasses
+
+    from laplace_jax.config import load_run_config
+    from laplace_jax.models.gla_lm import abstract_params, decode_step, init_state
+    from laplace_jax.tools.tpu_check import _serving_cfg, compile_for_tpu
+
+    cfg = dataclasses.replace(_serving_cfg(load_run_config("configs/3b.py")), n_layers=1)
+    chip, devices = tpu_devices("v5p:1x1x1")
+    bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
+    step = lambda p, t, s: decode_step(cfg, p, t, s)  # noqa: E731
+
+    def seconds(W):
+        args = (bf16, jax.ShapeDtypeStruct((W,), jnp.int32), jax.eval_shape(lambda: init_state(cfg, W)))
+        return estimate(compile_for_tpu(step, args, devices, donate=(2,)).as_text(), chip)["seconds"]
+
+    assert seconds(1) <= seconds(2)
+
+
 def test_prefill_report_gives_tokens_per_second_per_length():
     from laplace_jax.config import load_run_config
     from laplace_jax.tools.tpu_check import prefill_reports

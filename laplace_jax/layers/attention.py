@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from laplace_jax.config import AttnSpec, ModelConfig
-from laplace_jax.layers.common import Linear
+from laplace_jax.layers.common import Linear, trace_of
 from laplace_jax.ops.attention import Prefix, chunk_attention
 from laplace_jax.parallel import as_wire, context_axis, from_previous_slice
 
@@ -118,12 +118,14 @@ class Attention(nn.Module):
             R = state["k"].shape[1]
             slots = _slot_positions(start, R)
             o = attend(q, k, v, start=start, lengths=lengths, prefix=Prefix(state["k"], state["v"], slots, slots >= 0))
-            new_state = self._keep(state, k, v, start, lengths)
+            new_state = self.keep(state, k, v, start, lengths)
+            if (trace := trace_of(self)) is not None:  # a speculative verify: the chunk's rotated keys
+                self.sow(trace, "inputs", (k, v))
         y = Linear(D, ("heads", "embed"), dtype=cfg.compute_dtype, init_std=cfg.init_std, name="o_proj")
         return y(o.reshape(B, T, H * hd)), new_state
 
     @staticmethod
-    def _keep(state: LayerState, k: Array, v: Array, start: Array, lengths: Array) -> LayerState:
+    def keep(state: LayerState, k: Array, v: Array, start: Array, lengths: Array) -> LayerState:
         """The ring after the chunk: each slot's newest position among the old slots and the chunk's valid keys."""
         end = start + lengths
         newest = _slot_positions(end, state["k"].shape[1])

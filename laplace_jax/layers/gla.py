@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax.config import ModelConfig
-from laplace_jax.layers.common import GatedRMSNorm, Linear, ShortConv
-from laplace_jax.ops.gla import context_gla, gla, gla_decode
+from laplace_jax.layers.common import VERIFY_INPUTS, VERIFY_STATES, GatedRMSNorm, Linear, ShortConv, trace_of
+from laplace_jax.ops.gla import context_gla, gla, gla_decode, gla_states
 from laplace_jax.parallel import context_axis
 
 Array = jax.Array
@@ -65,13 +65,20 @@ class GatedLinearAttention(nn.Module):
 
         q, k, v, gk = (checkpoint_name(a, "gla_inputs") for a in (q, k, v, gk))  # for model.remat="save_gla"
         s0 = None if state is None else state["gla"]
-        if s0 is not None and T == 1:
+        trace = trace_of(self)
+        if trace == VERIFY_STATES:  # a speculative verify that keeps every position's state
+            o, states = gla_states(q, k, v, gk, s0)
+            s = states[:, -1]
+            self.sow(trace, "states", states)
+        elif s0 is not None and T == 1:
             o, s = gla_decode(q[:, 0], k[:, 0], v[:, 0], gk[:, 0], s0, impl=cfg.attn_impl)
             o = o[:, None]
         elif (axis := context_axis()) is not None:  # this device holds one slice of each sequence
             o, s = context_gla(q, k, v, gk, axis=axis, initial_state=s0, chunk_size=cfg.chunk_size, impl=cfg.attn_impl)
         else:
             o, s = gla(q, k, v, gk, impl=cfg.attn_impl, initial_state=s0, chunk_size=cfg.chunk_size)
+        if trace == VERIFY_INPUTS:  # a speculative verify that replays the accepted positions later
+            self.sow(trace, "inputs", (k, v, gk))
         new_state["gla"] = s
 
         # In the decode step the gate meets o as [B*H, dv] rows: the state (and so o) is laid out

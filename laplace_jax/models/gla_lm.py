@@ -1,8 +1,11 @@
-"""The GLA language model and its three entry points: forward, prefill, decode step.
+"""The GLA language model and its entry points: forward, prefill, decode step, and a speculative
+verify with its commit.
 
     forward(cfg, params, tokens [B, T])              -> logits [B, T, V] fp32
     prefill(cfg, params, tokens [B, T], state=None)  -> (logits [B, T, V], state)
     decode_step(cfg, params, token [B], state)       -> (logits [B, V], state)
+    verify(cfg, params, tokens [B, N], state, live)  -> (logits [B, N, V], trace)
+    commit(cfg, state, trace, emitted [B])           -> state after the first emitted tokens
 
 All three share one parameter tree; layer weights are stacked on a leading axis of size
 n_layers (``layers``), or, in a hybrid model with softmax attention layers (``model.attn``),
@@ -32,9 +35,10 @@ import numpy as np
 
 from laplace_jax.config import REMAT_POLICIES, AttnSpec, ModelConfig
 from laplace_jax.layers.attention import Attention, ring_size
-from laplace_jax.layers.common import Embedding, Linear, RMSNorm, SwiGLU
+from laplace_jax.layers.common import TRACES, VERIFY_INPUTS, Embedding, Linear, RMSNorm, SwiGLU, conv_cache
 from laplace_jax.layers.gla import GatedLinearAttention
 from laplace_jax.models.layout import Group, is_layers_key, layer_groups, locate
+from laplace_jax.ops.gla import gla_replay
 from laplace_jax.parallel import constrain
 
 Array = jax.Array
@@ -43,6 +47,7 @@ Params = dict
 LayerState = dict[str, Array]  # one layer's state (module docstring)
 State = tuple[LayerState, ...]  # n_layers of them
 Stack = dict[str, Array]  # the same leaves stacked on a leading layer axis, inside the layer scan
+CONV_CACHES = {"conv_q": "q_conv1d", "conv_k": "k_conv1d", "conv_v": "v_conv1d"}  # state key -> conv module
 
 
 def pack_weights(params: Params) -> Params:
@@ -356,3 +361,50 @@ def decode_step(
         x, layer_state = block.apply({"params": weights}, x, lengths, layer_state, method=Block.step)
         new_state.append(layer_state)
     return model.apply({"params": params}, x, method=GLALM.head)[:, 0], tuple(new_state)
+
+
+def verify(
+    cfg: ModelConfig, params: Params, tokens_BxN: Array, state: State, live_B: Array, keep: str = VERIFY_INPUTS
+) -> tuple[Array, tuple]:
+    """A speculative verify: N tokens per live row from ``state`` through the layers (unrolled, as
+    ``decode_step``) -> (logits [B, N, V], the trace ``commit`` takes). ``keep``: what each GLA layer
+    traces, its inputs (``VERIFY_INPUTS``: k, v and gates, [B, N, H, K] each) or its state after
+    every position (``VERIFY_STATES``: N states per row); conv and attention layers trace their
+    inputs. The state after all N tokens is not returned: ``commit`` with N emitted gives it."""
+    _check_tokens(tokens_BxN, 2, "tokens")
+    _check_state(cfg, state, tokens_BxN.shape[0])
+    if keep not in TRACES:
+        raise ValueError(f"keep must be one of {TRACES}; got {keep!r}")
+    lengths = live_B.astype(jnp.int32) * tokens_BxN.shape[1]
+    model = GLALM(cfg)
+    x = model.apply({"params": params}, tokens_BxN, method=GLALM.embed)
+    traces = []
+    for layer, layer_state in enumerate(state):
+        weights = _unpack(layer_weights(cfg, params, layer))
+        block = Block(cfg, cfg.attn_spec(layer))
+        (x, _), trace = block.apply({"params": weights}, x, lengths, layer_state, method=Block.step, mutable=[keep])
+        traces.append(trace[keep]["attn"])
+    return model.apply({"params": params}, x, method=GLALM.head), tuple(traces)
+
+
+def commit(cfg: ModelConfig, state: State, trace: tuple, emitted_B: Array) -> State:
+    """The state after the first emitted[b] tokens of a ``verify`` from ``state`` (0: as it was),
+    without the weights: each GLA layer replays its traced inputs (``ops.gla.gla_replay``, the
+    recurrence's own arithmetic) or takes its traced state at that position; the conv caches and
+    attention rings keep their first emitted inputs."""
+
+    def one(layer: int, old: LayerState, got: dict) -> LayerState:
+        if cfg.attn_spec(layer) is not None:
+            k, v = got["inputs"][0]
+            return Attention.keep(old, k, v, old["pos"], emitted_B)
+        if "states" in got:
+            states = jnp.concatenate([old["gla"][:, None], got["states"][0]], axis=1)  # [B, N + 1, ..]
+            new = {"gla": jnp.take_along_axis(states, emitted_B[:, None, None, None, None], axis=1)[:, 0]}
+        else:
+            new = {"gla": gla_replay(*got["inputs"][0], old["gla"], emitted_B)}
+        for key, conv in CONV_CACHES.items():
+            if key in old:
+                new[key] = conv_cache(old[key], got[conv]["inputs"][0], emitted_B)
+        return new
+
+    return tuple(one(i, old, got) for i, (old, got) in enumerate(zip(state, trace, strict=True)))

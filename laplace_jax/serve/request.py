@@ -241,4 +241,5 @@ def row_params(
         "seen": seen,
         "stop_mask": stop_mask,
         "gstate": np.int32(-1),  # the scheduler sets the automaton's first table row
+        "logprobs": np.bool_(req.wants_logprobs),
     }

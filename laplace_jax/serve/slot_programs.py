@@ -17,7 +17,8 @@ D devices (``programs.DevicePrograms`` compiles them at warmup):
             its host grammar's next mask) skips the model. With speculation (``NgramSpec``) each
             step is one verify: K draft tokens per row from an n-gram lookup in the row's own
             history, K + 1 tokens through the model, the accepted prefix plus one token emitted
-            (1 .. K + 1 per row per step), and the state replayed over what was emitted
+            (1 .. K + 1 per row per step), and the state rolled forward over what was emitted from
+            the verify's trace (``models.gla_lm.commit``: no second read of the weights)
   move      per device, copy local slot src_d into dst_d (compaction; src_d == dst_d: nothing)
   snapshot  per device, a copy of local slot i_d's model state (the prefix cache's end entries)
 
@@ -39,7 +40,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from laplace_jax.config import ModelConfig
-from laplace_jax.models.gla_lm import decode_step, prefill
+from laplace_jax.layers.common import VERIFY_INPUTS
+from laplace_jax.models.gla_lm import commit, decode_step, prefill, verify
 from laplace_jax.platform import key_words
 from laplace_jax.sampling import (
     count_tokens,
@@ -88,6 +90,7 @@ def row_template(prng: str, vocab_size: int, history: int = 0) -> dict[str, tupl
         "counts": ((vocab_size,), jnp.int32, 0),
         "done": ((), jnp.bool_, True),
         "gstate": ((), jnp.int32, -1),  # the row's structured-output state (a grammar table row), -1: none
+        "logprobs": ((), jnp.bool_, False),  # the request reads its tokens' logprobs (``Request.wants_logprobs``)
     }
 
 
@@ -106,10 +109,12 @@ REQUEST_FIELDS = (  # set per request at insert; the rest are the decode loop's 
     "seen",
     "stop_mask",
     "gstate",
+    "logprobs",
     "history",  # speculation only (``row_template``)
     "hlen",
 )
 VERIFY_IMPL = "recurrent"  # the GLA kernel of a verify's K + 1 tokens (the chunk kernel pads them to a chunk)
+VERIFY_KEEP = VERIFY_INPUTS  # a verify's trace for the rollback (``models.gla_lm.verify``)
 GRAMMAR_BLOCK = 32  # grammar-table rows written per call (one compiled shape)
 GRAMMAR_DTYPE = jnp.int16  # grammar-table entries: a row index or -1 (``ServeConfig.structured_states`` <= 32767)
 
@@ -248,12 +253,18 @@ def decode_program(lay: SlotLayout, params, slots, grammar_RxTxL, W: int):
         plain = functools.partial(_plain_step, lay, params, grammar_RxTxL, valid=valid)
         if lay.speculation is None:
             return jax.lax.cond(jnp.any(valid), plain, functools.partial(_idle_step, lay, plain), sub)
-        draft = _proposals(lay.speculation, r, valid)
-        verify = functools.partial(_verify_step, lay, params, grammar_RxTxL, valid=valid, draft=draft)
-        spec_plain = functools.partial(_spec_plain_step, lay, plain)
+        draft, looked = _proposals(lay.speculation, r, valid)
+        verify = functools.partial(_verify_step, lay, params, grammar_RxTxL, valid=valid, draft=draft, looked=looked)
+        spec_plain = functools.partial(_spec_plain_step, lay, plain, looked=looked)
         idle = functools.partial(_idle_step, lay, verify)
         branch = jnp.where(jnp.any(valid), jnp.where(jnp.any(draft >= 0), 2, 1), 0)  # one switch, not nested conds
-        return jax.lax.switch(branch, (idle, spec_plain, verify), sub)
+        # the history stays out of the switch (on XLA:CPU each branch carrying it cost a copy);
+        # the emitted tokens join it after
+        history = {k: r[k] for k in ("history", "hlen")}
+        inner = dict(sub, rows={k: v for k, v in r.items() if k not in history})
+        sub, out = jax.lax.switch(branch, (idle, spec_plain, verify), inner)
+        rows = _record(sub["rows"] | history, out[0], jnp.sum(out[1], axis=1, dtype=jnp.int32))
+        return dict(sub, rows=rows), out
 
     sub, (toks, valid, lps, stats) = jax.lax.scan(
         step, lay.constrain(jax.tree.map(take, slots)), None, length=lay.steps_per_call
@@ -281,7 +292,7 @@ def _plain_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid):
     done = r["done"] | (valid & (stop | (remaining <= 0)))
     counts = count_tokens(r["counts"], tok, valid)
     rows = dict(r, token=tok, count=r["count"] + 1, remaining=remaining, done=done, counts=counts, gstate=gstate)
-    out = (tok, valid, token_logprobs(logits, tok), jnp.zeros((3,), jnp.int32))
+    out = (tok, valid, _logprobs(logits, tok, valid & r["logprobs"]), jnp.zeros((3,), jnp.int32))
     return lay.constrain({"model": model, "rows": rows}), jax.tree.map(lambda x: x[:, None], out[:3]) + out[3:]
 
 
@@ -298,11 +309,11 @@ def _idle_step(lay: SlotLayout, live, sub):
     return lay.constrain({"model": sub["model"], "rows": rows}), (tok, *outs[1:])
 
 
-def _proposals(spec: NgramSpec, r: dict, valid_W: jax.Array) -> jax.Array:
-    """[W, K] draft ids per row (-1: none). A row proposes only while it samples from its own
-    logits alone: no penalties (their counts would change within the draft) and no grammar (its
-    state would); only as many as its ``remaining`` tokens allow; and not while its look-ups are
-    paused (``speculative.backoff``)."""
+def _proposals(spec: NgramSpec, r: dict, valid_W: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[W, K] draft ids per row (-1: none), and [W] whether each row looked. A row proposes only
+    while it samples from its own logits alone: no penalties (their counts would change within the
+    draft) and no grammar (its state would); only as many as its ``remaining`` tokens allow; and
+    not while its look-ups are paused (``speculative.backoff``)."""
     K = spec.num_speculative_tokens
     plain = (r["presence"] == 0) & (r["frequency"] == 0) & (r["repetition"] == 1) & (r["gstate"] < 0)
     on = valid_W & plain & (r["skip"] == 0) & (r["remaining"] > 1)
@@ -313,16 +324,17 @@ def _proposals(spec: NgramSpec, r: dict, valid_W: jax.Array) -> jax.Array:
 
     none = lambda h, n: jnp.full((h.shape[0], K), -1, h.dtype)  # noqa: E731  every row paused: no look-up
     draft = jax.lax.cond(jnp.any(on), look, none, r["history"], r["hlen"])
-    return jnp.where(on[:, None] & (jnp.arange(K)[None] < r["remaining"][:, None] - 1), draft, -1)
+    return jnp.where(on[:, None] & (jnp.arange(K)[None] < r["remaining"][:, None] - 1), draft, -1), on
 
 
-def _spec_plain_step(lay: SlotLayout, plain, sub):
-    """No row has a draft: one plain step, its token appended to each row's history; the outputs
-    padded to K + 1 positions (only the first is real)."""
+def _spec_plain_step(lay: SlotLayout, plain, sub, *, looked):
+    """No row has a draft: one plain step (a row that looked found nothing, and backs off); the
+    outputs padded to K + 1 positions (only the first is real)."""
     sub, (tok, valid, lps, stats) = plain(sub)
     r = sub["rows"]
-    rows = _record(r, tok, valid[:, 0].astype(jnp.int32))
-    rows["skip"] = jnp.maximum(r["skip"] - 1, 0)
+    rows = dict(r)
+    none = jnp.zeros_like(looked)
+    rows["skip"], rows["pause"] = backoff(r["skip"], r["pause"], looked, none, none.astype(jnp.int32))
     pad = lambda x: jnp.pad(x, [(0, 0), (0, lay.positions - 1)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     return dict(sub, rows=rows), (*jax.tree.map(pad, (tok, valid, lps)), stats)
 
@@ -335,16 +347,16 @@ def _record(rows: dict, toks_WxN: jax.Array, emitted_W: jax.Array) -> dict:
     return dict(rows, history=history, hlen=rows["hlen"] + emitted_W)
 
 
-def _verify_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid, draft):
+def _verify_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid, draft, looked):
     """One verify for every valid row: [token, draft] (K + 1 ids) through the model, the draft's
     accepted prefix and one token of the row's own emitted (``sampling.speculative_accept``; a row
     without a draft samples its one token exactly as a plain step does), cut at a stop token, and
-    the state replayed over the emitted tokens from the step's start (prefill's per-row lengths)."""
+    the state committed over the emitted tokens from the verify's trace."""
     r = sub["rows"]
     N = lay.positions
     vcfg = dataclasses.replace(lay.cfg, attn_impl=VERIFY_IMPL)
     fed = jnp.concatenate([r["token"][:, None], jnp.maximum(draft, 0)], axis=1)  # [W, N]
-    logits, verified = prefill(vcfg, params, fed, sub["model"], jnp.where(valid, N, 0))  # [W, N, V]
+    logits, trace = verify(vcfg, params, fed, sub["model"], valid, VERIFY_KEEP)  # [W, N, V]
 
     def limit(logits_WxV, t):  # position t: t tokens after the row's count (min_tokens)
         pen = penalize(logits_WxV, dict(r, count=r["count"] + t))
@@ -365,21 +377,15 @@ def _verify_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid, draft):
     stop_WxN = jnp.take_along_axis(r["stop_mask"], toks, axis=-1)
     first_stop = jnp.min(jnp.where(stop_WxN, pos, N), axis=-1)
     emitted = jnp.where(valid, jnp.minimum(accepted + 1, first_stop + 1), 0)  # <= remaining (``_proposals``)
-    replay = functools.partial(prefill, vcfg, params, fed, sub["model"])
-    # the verify's own state is every valid row's when each emitted all K + 1 (an accepted loop)
-    # (the barrier keeps each layer's state a buffer of its own: without it the TPU compiler moved
-    # prefill's per-layer slices out of the conditional and copied the whole stack once per layer)
-    model = jax.lax.cond(
-        jnp.any(valid & (emitted < N)), lambda: jax.lax.optimization_barrier(replay(emitted)[1]), lambda: verified
-    )
+    model = commit(vcfg, sub["model"], trace, emitted)  # the state after the emitted tokens, no weights read
     fresh = emitted > 0
     last = jnp.take_along_axis(toks, jnp.maximum(emitted - 1, 0)[:, None], axis=-1)[:, 0]
     remaining = r["remaining"] - emitted
     done = r["done"] | (valid & ((first_stop < emitted) | (remaining <= 0)))
     proposed = draft[:, 0] >= 0
-    skip, pause = backoff(r["skip"], r["pause"], proposed, accepted)
+    skip, pause = backoff(r["skip"], r["pause"], looked, proposed, accepted)
     rows = dict(
-        _record(r, toks, emitted),
+        r,
         token=jnp.where(fresh, last, r["token"]),
         count=r["count"] + jnp.maximum(emitted, 1),
         remaining=remaining,
@@ -390,8 +396,15 @@ def _verify_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid, draft):
         pause=pause,
     )
     stats = jnp.stack([jnp.sum(proposed & valid), jnp.sum((draft >= 0) & valid[:, None]), jnp.sum(accepted)])
-    out = (toks, pos < emitted[:, None], token_logprobs(logits, toks), stats.astype(jnp.int32))
+    out = (toks, pos < emitted[:, None], _logprobs(logits, toks, valid & r["logprobs"]), stats.astype(jnp.int32))
     return lay.constrain({"model": model, "rows": rows}), out
+
+
+def _logprobs(logits: jax.Array, toks: jax.Array, wanted_W: jax.Array) -> tuple[jax.Array, ...]:
+    """``token_logprobs`` when some valid row reads them, else zeros (never read: the host reads a
+    call's logprobs only for requests that want them), so the vocabulary's top-k is skipped."""
+    none = lambda logits, toks: jax.tree.map(_zeros, jax.eval_shape(token_logprobs, logits, toks))  # noqa: E731
+    return jax.lax.cond(jnp.any(wanted_W), token_logprobs, none, logits, toks)
 
 
 def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:

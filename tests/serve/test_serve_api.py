@@ -12,10 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from serving_helpers import CFG, PARAMS, TOK, Running, reference_greedy
+from serving_helpers import CFG, PARAMS, TOK, Running, reference_greedy, serve_config
 
 from laplace_jax import decode_step, init_state
 from laplace_jax.models.gla_lm import forward
+from laplace_jax.serve.engine import Engine
+from laplace_jax.serve.request import Request, SamplingParams
 
 LOGPROB_TOL = 1e-5  # fp32 chunked prefill / recurrent decode against one fp32 forward pass
 
@@ -90,6 +92,37 @@ def test_generated_logprobs_and_chat_logprobs(srv):
     content = c["choices"][0]["logprobs"]["content"]
     assert content and all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in content)
     assert "".join(e["token"] for e in content).startswith(c["choices"][0]["message"]["content"][:1])
+
+
+def test_a_decode_call_computes_logprobs_only_when_a_row_reads_them():
+    """A call whose rows want no logprobs skips the vocabulary's top-k (zeros come back); a row
+    that wants them, decoded beside one that does not, gets the model's own."""
+    eng = Engine(CFG, PARAMS, serve_config(max_num_seqs=2), eos_id=TOK.eos_id)
+    eng.warmup()
+    calls = []
+    decode = eng.programs.decode
+
+    def recording(width):
+        toks, valid, lps = decode(width)
+        calls.append((valid, np.asarray(lps[0]), np.asarray(lps[2])))
+        return toks, valid, lps
+
+    eng.programs.decode = recording
+    ids = TOK.encode("Return the number")
+    plain = SamplingParams(max_tokens=8, temperature=0)
+    eng.submit(Request(ids, plain, lambda t, r: None))
+    eng.run_until_idle()
+    assert calls and all(not np.any(lp) and not np.any(top) for _, lp, top in calls)
+    calls.clear()
+    wants = Request(ids, SamplingParams(max_tokens=8, temperature=0, logprobs=2), lambda t, r: None)
+    eng.submit(Request(TOK.encode("other"), plain, lambda t, r: None))
+    eng.submit(wants)
+    eng.run_until_idle()
+    assert any(np.any(v[:, 0, 0]) and np.any(v[:, 0, 1]) for v, _, _ in calls)  # both rows in one call
+    gen = reference_greedy(ids, 8)
+    mine = [lp for lp, _, _ in wants.logprobs]
+    np.testing.assert_allclose(mine, model_logprobs(ids + gen)[len(ids) - 1 :], atol=LOGPROB_TOL)
+    eng.stop()
 
 
 def test_streamed_logprobs_add_up_to_the_whole_response(srv):

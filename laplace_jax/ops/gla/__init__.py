@@ -12,6 +12,8 @@ strong the decay: the scores inside a chunk come from dyadic levels (halves, qua
 each one full-width matmul of operands scaled by sums within their half-block (``levels.py``).
 ``pallas_gla`` (GPU, Triton) and ``mosaic_gla`` (TPU) are the same contract as Pallas kernels.
 ``recurrent_gla`` is the token-by-token scan (the oracle) of ``gla_step``, the one-token step;
+``gla_states`` keeps every position's state and ``gla_replay`` reruns the state's update alone
+(a speculative verify's two ways to roll the state back);
 ``mosaic_gla_step`` is that step as a Pallas TPU kernel, and ``gla_decode`` picks one of the two.
 ``context_gla`` runs one sequence split across devices (context parallelism, ``context.py``).
 
@@ -29,7 +31,7 @@ from laplace_jax.ops.gla.mosaic import mosaic_gla
 from laplace_jax.ops.gla.mosaic_step import mosaic_gla_step
 from laplace_jax.ops.gla.naive import naive_gla
 from laplace_jax.ops.gla.pallas import pallas_gla
-from laplace_jax.ops.gla.recurrent import recurrent_gla
+from laplace_jax.ops.gla.recurrent import gla_replay, gla_states, recurrent_gla
 from laplace_jax.ops.gla.step import gla_step
 
 __all__ = [
@@ -38,6 +40,8 @@ __all__ = [
     "context_gla",
     "gla",
     "gla_decode",
+    "gla_replay",
+    "gla_states",
     "gla_step",
     "kernel_for",
     "mosaic_gla",

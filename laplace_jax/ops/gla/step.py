@@ -18,11 +18,18 @@ def gla_step(
         return _step(q, k, v, g, state, q.shape[-1] ** -0.5 if scale is None else scale)
 
 
-def _step(q: Array, k: Array, v: Array, g: Array, state: Array, scale: float) -> tuple[Array, Array]:
+def state_update(k: Array, v: Array, g: Array, state: Array) -> Array:
+    """The recurrence's state update for one token: k, g [B, H, K], v [B, H, V], state [B, H, K, V]
+    -> diag(exp(g)) state + k v^T in float32 (a token with k = 0 and g = 0 leaves it bit for bit)."""
     f32 = jnp.float32
-    state = jnp.exp(g.astype(f32))[..., None] * state.astype(f32) + (
+    return jnp.exp(g.astype(f32))[..., None] * state.astype(f32) + (
         k.astype(f32)[..., :, None] * v.astype(f32)[..., None, :]
     )
+
+
+def _step(q: Array, k: Array, v: Array, g: Array, state: Array, scale: float) -> tuple[Array, Array]:
+    f32 = jnp.float32
+    state = state_update(k, v, g, state)
     # a product and a reduction over K, not a dot: it fuses with the update above, so the state is
     # read and written once in whatever layout it has (no transposed copy for a GEMM)
     o = jnp.sum((q.astype(f32) * scale)[..., :, None] * state, axis=-2)
