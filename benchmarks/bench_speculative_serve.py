@@ -8,8 +8,12 @@ round. A round sends ``--requests`` completions over one kept-alive ``httpx.Clie
 per request costs ~20 ms here: its TLS context), with ``--width`` of them in flight at once (W=1:
 one at a time; W=8: eight decoded together) and times output tokens per second and per-token
 latency ((end - first token) / (tokens - 1), from the stream). Workloads: "repetitive" (a prompt
-that repeats one phrase, greedy: the output continues it) and "non-repetitive" (a prompt of random
-ids, sampled at temperature 1: drafts fail, and speculation must turn itself off). The model is
+that repeats one phrase, greedy; the random-weight model does not continue the phrase, and its
+output repeats itself after a few dozen tokens), "quoting" (a prompt that holds the model's own
+greedy continuation of its first 24 ids, greedy: the output goes on with text from the prompt
+from its first token, as a summary that quotes its source or a code edit does) and
+"non-repetitive" (a prompt of random ids, sampled at temperature 1: drafts fail, and speculation
+must turn itself off). The model is
 ``--config`` with random weights (the tiny model: a decode step is a fraction of a millisecond, so
 host and dispatch overhead weigh as much as the model).
 """
@@ -35,16 +39,23 @@ from laplace_jax.serve.config import ServeConfig
 from laplace_jax.serve.engine import Engine
 from laplace_jax.serve.launch import BackgroundServer
 from laplace_jax.serve.metrics import ServeMetrics
+from laplace_jax.serve.request import SamplingParams
 from laplace_jax.serve.routes import Server
 
 
-def _workloads(vocab: int, n: int) -> dict[str, list[dict]]:
-    """Request bodies (no model field) per workload; ``n`` of each, distinct prompts."""
+def _workloads(engine: Engine, n: int) -> dict[str, list[dict]]:
+    """Request bodies (no model field) per workload; ``n`` of each, distinct prompts. "quoting":
+    a random start and the model's own greedy continuation of it (``engine``), so the output goes
+    on with text the prompt already holds, as a summary quotes its source."""
     rng = np.random.default_rng(0)
-    out: dict[str, list[dict]] = {"repetitive": [], "non-repetitive": []}
-    for i in range(n):
+    vocab = engine.vocab_size
+    out: dict[str, list[dict]] = {"repetitive": [], "quoting": [], "non-repetitive": []}
+    starts = [[int(t) for t in rng.integers(1, vocab, 24)] for _ in range(n)]
+    greedy = SamplingParams(max_tokens=168, temperature=0, ignore_eos=True)
+    for i, (start, done) in enumerate(zip(starts, engine.generate(starts, greedy), strict=True)):
         phrase = [int(t) for t in rng.integers(1, vocab, 24)]
         out["repetitive"].append({"prompt": phrase * 8, "temperature": 0})
+        out["quoting"].append({"prompt": start + done.tokens, "temperature": 0})
         out["non-repetitive"].append({"prompt": [int(t) for t in rng.integers(1, vocab, 192)], "seed": i})
     return out
 
@@ -90,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     cfg = load_run_config(a.config).model
     params = init_params(cfg, jax.random.key(0))
+    serve = ServeConfig(devices=1, max_num_seqs=max(a.widths), max_model_len=1024)
+    workloads = _workloads(Engine(cfg, params, serve, eos_id=ByteTokenizer().eos_id), a.requests)
     servers = {}
     for name, spec in (("plain", None), ("speculative", a.speculative_config)):
         serve = ServeConfig(devices=1, max_num_seqs=max(a.widths), max_model_len=1024, speculative_config=spec)
@@ -98,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     res: dict = {"config": a.config, "max_tokens": a.max_tokens, "speculative_config": a.speculative_config}
     res["rounds"] = a.rounds
     res["runs"] = {}
-    for workload, bodies in _workloads(cfg.vocab_size, a.requests).items():
+    for workload, bodies in workloads.items():
         bodies = [{**b, "model": "tiny", "max_tokens": a.max_tokens, "ignore_eos": True} for b in bodies]
         for width in a.widths:
             rounds: dict[str, list[dict]] = {"plain": [], "speculative": []}
