@@ -352,15 +352,28 @@ def decode_step(
     _check_tokens(token_B, 1, "token")
     _check_state(cfg, state, token_B.shape[0])
     lengths = None if live_B is None else live_B.astype(jnp.int32)
+    logits, new_state, _ = _unrolled(cfg, params, token_B[:, None], state, lengths)
+    return logits[:, 0], new_state
+
+
+def _unrolled(
+    cfg: ModelConfig, params: Params, tokens_BxT: Array, state: State, lengths_B: Array | None, trace: str = ""
+) -> tuple[Array, State, tuple]:
+    """The layers as an unrolled loop, each on its own state buffer (``decode_step``, ``verify``):
+    (logits [B, T, V], the new state, per layer the ``trace`` collection it sowed, if one is named)."""
     model = GLALM(cfg)
-    x = model.apply({"params": params}, token_B[:, None], method=GLALM.embed)
-    new_state = []
+    x = model.apply({"params": params}, tokens_BxT, method=GLALM.embed)
+    new_state, traces = [], []
     for layer, layer_state in enumerate(state):
         weights = _unpack(layer_weights(cfg, params, layer))
         block = Block(cfg, cfg.attn_spec(layer))
-        x, layer_state = block.apply({"params": weights}, x, lengths, layer_state, method=Block.step)
+        out = block.apply(
+            {"params": weights}, x, lengths_B, layer_state, method=Block.step, mutable=[trace] if trace else False
+        )
+        (x, layer_state), sowed = out if trace else (out, {})
         new_state.append(layer_state)
-    return model.apply({"params": params}, x, method=GLALM.head)[:, 0], tuple(new_state)
+        traces.append(sowed[trace]["attn"] if trace else None)
+    return model.apply({"params": params}, x, method=GLALM.head), tuple(new_state), tuple(traces)
 
 
 def verify(
@@ -375,16 +388,8 @@ def verify(
     _check_state(cfg, state, tokens_BxN.shape[0])
     if keep not in TRACES:
         raise ValueError(f"keep must be one of {TRACES}; got {keep!r}")
-    lengths = live_B.astype(jnp.int32) * tokens_BxN.shape[1]
-    model = GLALM(cfg)
-    x = model.apply({"params": params}, tokens_BxN, method=GLALM.embed)
-    traces = []
-    for layer, layer_state in enumerate(state):
-        weights = _unpack(layer_weights(cfg, params, layer))
-        block = Block(cfg, cfg.attn_spec(layer))
-        (x, _), trace = block.apply({"params": weights}, x, lengths, layer_state, method=Block.step, mutable=[keep])
-        traces.append(trace[keep]["attn"])
-    return model.apply({"params": params}, x, method=GLALM.head), tuple(traces)
+    logits, _, traces = _unrolled(cfg, params, tokens_BxN, state, live_B.astype(jnp.int32) * tokens_BxN.shape[1], keep)
+    return logits, traces
 
 
 def commit(cfg: ModelConfig, state: State, trace: tuple, emitted_B: Array) -> State:
