@@ -158,20 +158,28 @@ class ShortConv(nn.Module):
             return y[:, None], new
         if (trace := trace_of(self)) is not None:
             self.sow(trace, "inputs", x_BxTxD.astype(self.dtype))
-        full = jnp.concatenate([cache_BxWD.reshape(B, W, D), x_BxTxD.astype(self.dtype)], axis=1)  # [B, W+T, D]
+        full = _inputs(cache_BxWD, x_BxTxD)  # [B, W+T, D]
         y = sum(full[:, 1 + w : 1 + w + T] * k[w] for w in range(W))
         if lengths_B is None:
             return jax.nn.silu(y), full[:, -W:].reshape(B, W * D)
-        return jax.nn.silu(y), conv_cache(cache_BxWD, x_BxTxD.astype(self.dtype), lengths_B)
+        return jax.nn.silu(y), _window(full, lengths_B, W)
+
+
+def _inputs(cache_BxWD: Array, x_BxTxD: Array) -> Array:
+    """[B, W + T, D]: the cache's W inputs, then x's T, in the cache's dtype."""
+    B, _, D = x_BxTxD.shape
+    return jnp.concatenate([cache_BxWD.reshape(B, -1, D), x_BxTxD.astype(cache_BxWD.dtype)], axis=1)
+
+
+def _window(full_BxLxD: Array, lengths_B: Array, W: int) -> Array:
+    """The flat cache [B, W * D] of the W inputs ending at the lengths[b]-th new one."""
+    B, _, D = full_BxLxD.shape
+    return jax.vmap(lambda f, n: jax.lax.dynamic_slice_in_dim(f, n, W, axis=0))(full_BxLxD, lengths_B).reshape(B, W * D)
 
 
 def conv_cache(cache_BxWD: Array, x_BxTxD: Array, lengths_B: Array) -> Array:
     """The cache after the first lengths[b] inputs of x (the W real inputs ending there)."""
-    B, _, D = x_BxTxD.shape
-    W = cache_BxWD.shape[1] // D
-    full = jnp.concatenate([cache_BxWD.reshape(B, W, D), x_BxTxD.astype(cache_BxWD.dtype)], axis=1)
-    cache = jax.vmap(lambda f, n: jax.lax.dynamic_slice_in_dim(f, n, W, axis=0))(full, lengths_B)
-    return cache.reshape(B, W * D)
+    return _window(_inputs(cache_BxWD, x_BxTxD), lengths_B, cache_BxWD.shape[1] // x_BxTxD.shape[-1])
 
 
 class SwiGLU(nn.Module):
