@@ -1,5 +1,6 @@
 """Small configs for training tests (seconds per run on CPU), and the sharded loss and gradients."""
 
+import functools
 import os
 
 import flax.linen as nn
@@ -7,8 +8,9 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from laplace_jax.config import RunConfig
+from laplace_jax.config import MeshConfig, ModelConfig, RunConfig
 from laplace_jax.defaults import base_config
+from laplace_jax.loss import loss_fn
 from laplace_jax.sharding import BATCH_AXES, make_mesh, param_shardings, param_specs
 from laplace_jax.train.step import fsdp_value_and_grad
 
@@ -31,12 +33,25 @@ def micro_config(**sections):
     return RunConfig.from_mapping(c)
 
 
+@functools.cache
+def reference_value_and_grad(model: ModelConfig):
+    """One device's jitted (loss, gradients) of ``loss_fn``: one compile per model config and
+    module (the suite releases compiled programs after each module)."""
+    return jax.jit(jax.value_and_grad(functools.partial(loss_fn, model)))
+
+
+@functools.cache
+def _sharded_fn(model: ModelConfig, mesh_cfg: MeshConfig, n_devices: int):
+    mesh = make_mesh(mesh_cfg, jax.devices()[:n_devices])
+    return mesh, jax.jit(fsdp_value_and_grad(model, mesh, param_specs(model, mesh_cfg.rules)))
+
+
 def sharded_value_and_grad(cfg: RunConfig, n_devices: int, params, batch):
     """The train step's (loss, gradients, compiled HLO text) for ``batch`` on the first
-    ``n_devices`` devices, meshed and sharded as ``cfg`` says."""
+    ``n_devices`` devices, meshed and sharded as ``cfg`` says (compiled once per model, mesh and
+    device count)."""
     model, rules = cfg.model, cfg.mesh.rules
-    mesh = make_mesh(cfg.mesh, jax.devices()[:n_devices])
-    fn = jax.jit(fsdp_value_and_grad(model, mesh, param_specs(model, rules)))
+    mesh, fn = _sharded_fn(model, cfg.mesh, n_devices)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         sharded = jax.device_put(params, param_shardings(model, mesh, rules))
         placed = jax.device_put(batch, NamedSharding(mesh, P(BATCH_AXES)))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT, TESTS, micro_config, sharded_value_and_grad
+from helpers import ROOT, TESTS, micro_config, reference_value_and_grad, sharded_value_and_grad
 from serving_helpers import reference_greedy, serve_config
 
 from laplace_jax import ModelConfig, decode_step, forward, init_params, init_state, prefill
@@ -306,14 +306,13 @@ def test_context_parallel_hybrid_equals_one_device(attn, context):
     """The micro hybrid with each 128-token sequence split over 2 or 4 devices (and fsdp 2): the
     loss and every gradient equal one device's within 1e-5 relative."""
     from laplace_jax.hlo_stats import collectives_by_source
-    from laplace_jax.loss import loss_fn
 
     cfg = micro_config(
         mesh=dict(fsdp=2, context=context), data=dict(seq_len=128), model=dict(max_seq_len=128, attn=attn)
     )
     params = init_params(cfg.model, jax.random.key(0))
     batch = np.random.default_rng(0).integers(1, 256, (8, 129)).astype(np.int32)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(cfg.model, p, b)))(params, batch)
+    ref_loss, ref_grads = reference_value_and_grad(cfg.model)(params, batch)
     loss, grads, hlo = sharded_value_and_grad(cfg, 2 * context, params, batch)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):

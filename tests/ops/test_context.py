@@ -9,13 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import micro_config, sharded_value_and_grad
+from helpers import micro_config, reference_value_and_grad, sharded_value_and_grad
 from jax.sharding import PartitionSpec as P
 
 from laplace_jax.data.synthetic import NO_LOSS
 from laplace_jax.errors import ConfigError, UserError
 from laplace_jax.hlo_stats import collectives_by_source
-from laplace_jax.loss import loss_fn
 from laplace_jax.models.gla_lm import init_params
 from laplace_jax.ops.gla import chunk_gla, context_gla
 from laplace_jax.train.loop import run
@@ -98,7 +97,7 @@ def test_context_model_loss_and_gradients_equal_one_device(mesh_kw, gate_bias):
         params = _strong_decay(params, gate_bias)
     batch = np.random.default_rng(0).integers(1, 256, (8, 129)).astype(np.int32)
     batch[:3, 20:90] |= NO_LOSS  # targets counted unevenly across slices and rows
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(model, p, b)))(params, batch)
+    ref_loss, ref_grads = reference_value_and_grad(model)(params, batch)
     loss, grads, _ = sharded_value_and_grad(cfg, int(np.prod(list(mesh_kw.values()))), params, batch)
     assert abs(float(loss) - float(ref_loss)) <= TOL * abs(float(ref_loss))
     for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads), strict=True):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import micro_config
+from helpers import micro_config, reference_value_and_grad
 
 from laplace_jax.checkpoint import TrainCheckpointer, load_trained
 from laplace_jax.errors import UserError
@@ -274,7 +274,6 @@ def test_fsdp_gradients_equal_one_device_and_leave_as_reduce_scattered_shards():
     import flax.linen as nn
 
     from laplace_jax.data.synthetic import NO_LOSS
-    from laplace_jax.loss import loss_fn
     from laplace_jax.models.gla_lm import init_params
     from laplace_jax.sharding import make_mesh, param_shardings, param_specs
     from laplace_jax.train.step import fsdp_value_and_grad
@@ -285,7 +284,7 @@ def test_fsdp_gradients_equal_one_device_and_leave_as_reduce_scattered_shards():
     params = init_params(model, jax.random.key(0))
     batch = np.random.default_rng(0).integers(1, 256, (8, 65)).astype(np.int32)
     batch[:3, :40] |= NO_LOSS  # uneven target counts per device: the mean must still be global
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(model, p, b)))(params, batch)
+    ref_loss, ref_grads = reference_value_and_grad(model)(params, batch)
 
     fn = jax.jit(fsdp_value_and_grad(model, mesh, param_specs(model, rule_set)))
     with jax.set_mesh(mesh), nn.logical_axis_rules(rule_set):
