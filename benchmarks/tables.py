@@ -544,12 +544,30 @@ def _structured(r: dict) -> list[str]:
     measured = [r["config"], f"{t['plain_tok_s']:,.0f}", f"{t['json_schema_tok_s']:,.0f}", f"{t['ratio']:.2f}x",
                 f"{t['host_json_schema_tok_s']:,.0f}", f"{t['host_ratio']:.2f}x",
                 str(t["compiles_while_serving"])]  # fmt: skip
+    j = r["jump_forward"]
+    names = {
+        "json_compact_greedy": "JSON schema, no free whitespace, greedy to its end",
+        "json_greedy": "JSON schema, default whitespace, greedy to its end",
+        "plain": "unconstrained, sampled, ignore_eos",
+    }
+    jump_head = [f"W={r['width']}, jump_forward 0 vs {j['jump_forward']}", "output tokens", "forced share",
+                 "tok/s off", "tok/s on", "on / off (median of runs)"]  # fmt: skip
+    jump_rows = [
+        [names[k], f"{j[k]['tokens']:,}", f"{j[k]['forced_share']:.0%}", f"{j[k]['off_tok_s']:,.0f}",
+         f"{j[k]['on_tok_s']:,.0f}", f"{j[k]['speedup']:.2f}x"]
+        for k in names
+    ]  # fmt: skip
     return [
         *_grid(speed, [measured]),
         "",
         f"One host mask (llguidance, the bounded schema, this vocabulary): {r['host_mask_us']:.1f} us (median).",
         "",
         *_grid(head, rows),
+        "",
+        "Jump-forward in the middle of an output (two engines side by side, run by run; the greedy outputs are "
+        f"the same tokens in both; compiles while serving: {j['compiles_while_serving']}):",
+        "",
+        *_grid(jump_head, jump_rows),
     ]
 
 

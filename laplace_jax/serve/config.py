@@ -95,6 +95,15 @@ class ServeConfig:
         '"prompt_lookup_max": 4}\' (n-gram prompt lookup: draft tokens from earlier in the sequence, verified '
         "K + 1 at a time; greedy output unchanged, sampled output keeps its distribution)",
     )
+    jump_forward: int = _setting(
+        0,
+        "engine",
+        "structured outputs: forced tokens (a JSON key, a closing brace) a decode step feeds at once in the "
+        "middle of an output, as a verify of K + 1 tokens (0: one per step; forced tokens at an output's start are "
+        "always fed with the prompt). With --speculative-config its num_speculative_tokens is K and this must be 0 "
+        "or equal to it",
+        lo=0,
+    )
     prefix_cache_bytes: int = _setting(
         1 << 30,
         "engine",
@@ -179,9 +188,15 @@ class ServeConfig:
             raise SettingError("structured_states", f"must be <= {MAX_STRUCTURED_STATES}; got {self.structured_states}")
         if self.speculative_config is not None:
             try:
-                NgramSpec.parse(self.speculative_config)
+                k = NgramSpec.parse(self.speculative_config).num_speculative_tokens
             except ValueError as e:
                 raise SettingError("speculative_config", str(e)) from None
+            if self.jump_forward not in (0, k):
+                raise SettingError(
+                    "jump_forward",
+                    f"is {self.jump_forward} but --speculative-config verifies {k} draft tokens per step (one verify "
+                    f"serves both): pass 0 or {k}",
+                )
         if self.decode_buckets not in ("pow2", "exact"):
             widths = self.decode_buckets.split(",")
             if not all(w.strip().isdigit() and 1 <= int(w) <= self.max_num_seqs for w in widths):

@@ -86,6 +86,7 @@ def build(
         serve.structured_states,
         serve.speculation(),
         max_model_len,
+        serve.jump_forward,
     )
     buckets = make_buckets(serve.buckets(), serve.max_num_seqs)
     prefix = prefix_cache(
@@ -302,8 +303,11 @@ class Engine:
         if on_ready:
             n = len(self.programs.programs(self.buckets or []))
             kernels = ", ".join(self.programs.gla_kernels()) or "none found"
-            took, spec = time.perf_counter() - start, NgramSpec.describe(self.programs.layout.speculation)
-            on_ready(f"ready: {n} programs compiled in {took:.1f} s; GLA kernels in them: {kernels}; {spec}")
+            lay = self.programs.layout
+            took, spec = time.perf_counter() - start, NgramSpec.describe(lay.speculation)
+            jump = f"up to {lay.draft_tokens} forced tokens per step" if lay.draft_tokens else "off"
+            ready = f"ready: {n} programs compiled in {took:.1f} s; GLA kernels in them: {kernels}"
+            on_ready(f"{ready}; {spec}; structured jump-forward: {jump}")
         self.loop()
 
     def step(self) -> StepPlan:

@@ -52,15 +52,19 @@ class DevicePrograms:
         grammar_rows: int,
         speculation: NgramSpec | None = None,
         max_model_len: int = 0,
+        jump_forward: int = 0,
     ):
         """``prng``: the sampling keys' implementation, resolved (``platform.prng_impl``);
         ``grammar_rows``: the structured-output table's rows (automaton states held at once);
-        ``speculation``: n-gram speculative decoding (each row's history holds ``max_model_len`` ids)."""
+        ``speculation``: n-gram speculative decoding (each row's history holds ``max_model_len`` ids);
+        ``jump_forward``: without speculation, the forced tokens a decode step verifies (0: none)."""
         self.cfg, self.prng = cfg, prng
         self.D, self.S = len(devices), slots_per_device  # devices, slots per device
         self.prefill_chunk, self.steps_per_call = prefill_chunk, steps_per_call
         self.mesh = Mesh(np.asarray(devices), ("data",))
-        self.layout = SlotLayout(cfg, self.mesh, prng, steps_per_call, grammar_rows, speculation, max_model_len)
+        self.layout = SlotLayout(
+            cfg, self.mesh, prng, steps_per_call, grammar_rows, speculation, max_model_len, jump_forward
+        )
         self.speculation_counts = np.zeros((3,), np.int64)  # drafts, draft tokens, accepted tokens (device counts)
         self.template, self.fields = self.layout.row_template(), self.layout.request_fields()  # per-slot row fields
         on_cpu = devices[0].platform == "cpu"  # XLA:CPU needs bf16 weights as bits (pack_weights)

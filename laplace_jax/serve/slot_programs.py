@@ -47,6 +47,7 @@ from laplace_jax.sampling import (
     count_tokens,
     grammar_limit,
     grammar_next,
+    grammar_row,
     greedy_accept,
     penalize,
     sample_rows,
@@ -140,15 +141,22 @@ class SlotLayout:
     grammar_rows: int  # rows of the structured-output table (``ServeConfig.structured_states``)
     speculation: NgramSpec | None = None
     max_model_len: int = 0  # tokens a row's history holds (with speculation)
+    jump_forward: int = 0  # without speculation: the forced tokens a verify feeds (``ServeConfig.jump_forward``)
 
     @property
     def D(self) -> int:
         return self.mesh.size
 
     @property
+    def draft_tokens(self) -> int:
+        """K, the draft tokens a decode step verifies per row: n-gram speculation's, else
+        ``jump_forward`` (a structured output's forced tokens only); 0: no verify."""
+        return self.jump_forward if self.speculation is None else self.speculation.num_speculative_tokens
+
+    @property
     def positions(self) -> int:
-        """Tokens a decode step can emit per row: K + 1 with speculation, else 1."""
-        return 1 if self.speculation is None else self.speculation.num_speculative_tokens + 1
+        """Tokens a decode step can emit per row: K + 1 with drafts, else 1."""
+        return self.draft_tokens + 1
 
     @property
     def history(self) -> int:
@@ -251,13 +259,20 @@ def decode_program(lay: SlotLayout, params, slots, grammar_RxTxL, W: int):
         held = (r["gstate"] >= 0) & (grammar_RxTxL[jnp.maximum(r["gstate"], 0), 0, 0] == HELD)
         valid = ~r["done"] & ~held
         plain = functools.partial(_plain_step, lay, params, grammar_RxTxL, valid=valid)
-        if lay.speculation is None:
+        if lay.positions == 1:
             return jax.lax.cond(jnp.any(valid), plain, functools.partial(_idle_step, lay, plain), sub)
-        draft, looked = _proposals(lay.speculation, r, valid)
+        if lay.speculation is None:  # jump-forward alone: no look-ups
+            ngram, looked = jnp.full((valid.shape[0], lay.draft_tokens), -1, jnp.int32), jnp.zeros_like(valid)
+        else:
+            ngram, looked = _proposals(lay.speculation, r, valid)
+        # a constrained row drafts its grammar's forced tokens, any other its n-gram look-up's
+        draft = jnp.where((r["gstate"] >= 0)[:, None], _forced(lay, grammar_RxTxL, r, valid), ngram)
         verify = functools.partial(_verify_step, lay, params, grammar_RxTxL, valid=valid, draft=draft, looked=looked)
         spec_plain = functools.partial(_spec_plain_step, lay, plain, looked=looked)
         idle = functools.partial(_idle_step, lay, verify)
         branch = jnp.where(jnp.any(valid), jnp.where(jnp.any(draft >= 0), 2, 1), 0)  # one switch, not nested conds
+        if lay.speculation is None:
+            return jax.lax.switch(branch, (idle, spec_plain, verify), sub)
         # the history stays out of the switch (on XLA:CPU each branch carrying it cost a copy);
         # the emitted tokens join it after
         history = {k: r[k] for k in ("history", "hlen")}
@@ -327,14 +342,41 @@ def _proposals(spec: NgramSpec, r: dict, valid_W: jax.Array) -> tuple[jax.Array,
     return jnp.where(on[:, None] & (jnp.arange(K)[None] < r["remaining"][:, None] - 1), draft, -1), on
 
 
+def _forced(lay: SlotLayout, grammar_RxTxL, r: dict, valid_W: jax.Array) -> jax.Array:
+    """[W, K] the tokens each constrained row's grammar forces next (jump-forward in the middle of
+    an output: a JSON key, a closing brace), -1 after: from the row's state, while a state allows
+    exactly one token and the state after it is the device's own (not a host grammar's waiting
+    row), at most ``remaining`` - 1 (the verify emits one token more). Each is the only token the
+    row's mask lets it sample, so the verify accepts them all: the output is the one-token-per-step
+    output, bit for bit. The table's rows are read only when some valid row is constrained."""
+    K, V = lay.draft_tokens, lay.cfg.vocab_size
+
+    def chain(g_W):
+        on, toks = valid_W & (g_W >= 0), []
+        for t in range(K):
+            nxt = grammar_row(grammar_RxTxL, g_W, V)
+            allowed = nxt >= 0
+            tok = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
+            after = jnp.take_along_axis(nxt, tok[:, None], axis=-1)[:, 0].astype(jnp.int32)
+            held = grammar_RxTxL[jnp.maximum(after, 0), 0, 0] == HELD
+            on = on & (jnp.sum(allowed, axis=-1) == 1) & ~held & (t < r["remaining"] - 1)
+            toks.append(jnp.where(on, tok, -1))
+            g_W = jnp.where(on, after, g_W)
+        return jnp.stack(toks, axis=1)
+
+    none = lambda g_W: jnp.full((g_W.shape[0], K), -1, jnp.int32)  # noqa: E731
+    return jax.lax.cond(jnp.any(valid_W & (r["gstate"] >= 0)), chain, none, r["gstate"])
+
+
 def _spec_plain_step(lay: SlotLayout, plain, sub, *, looked):
     """No row has a draft: one plain step (a row that looked found nothing, and backs off); the
     outputs padded to K + 1 positions (only the first is real)."""
     sub, (tok, valid, lps, stats) = plain(sub)
     r = sub["rows"]
     rows = dict(r)
-    none = jnp.zeros_like(looked)
-    rows["skip"], rows["pause"] = backoff(r["skip"], r["pause"], looked, none, none.astype(jnp.int32))
+    if lay.speculation is not None:
+        none = jnp.zeros_like(looked)
+        rows["skip"], rows["pause"] = backoff(r["skip"], r["pause"], looked, none, none.astype(jnp.int32))
     pad = lambda x: jnp.pad(x, [(0, 0), (0, lay.positions - 1)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     return dict(sub, rows=rows), (*jax.tree.map(pad, (tok, valid, lps)), stats)
 
@@ -351,18 +393,24 @@ def _verify_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid, draft, l
     """One verify for every valid row: [token, draft] (K + 1 ids) through the model, the draft's
     accepted prefix and one token of the row's own emitted (``sampling.speculative_accept``; a row
     without a draft samples its one token exactly as a plain step does), cut at a stop token, and
-    the state committed over the emitted tokens from the verify's trace."""
+    the state committed over the emitted tokens from the verify's trace. A constrained row's draft
+    is its forced tokens (``_forced``): position t is masked by the grammar state after the draft's
+    first t tokens. A row with penalties drafts only forced tokens and emits only them (its own
+    token's penalties would miss their counts: it is sampled at the next step)."""
     r = sub["rows"]
     N = lay.positions
     vcfg = dataclasses.replace(lay.cfg, attn_impl=VERIFY_IMPL)
     fed = jnp.concatenate([r["token"][:, None], jnp.maximum(draft, 0)], axis=1)  # [W, N]
     logits, trace = verify(vcfg, params, fed, sub["model"], valid, VERIFY_KEEP)  # [W, N, V]
+    gstates = [r["gstate"]]  # the grammar state at each position, along the draft
+    for t in range(N - 1):
+        gstates.append(grammar_next(grammar_RxTxL, gstates[-1], jnp.maximum(draft[:, t], 0), draft[:, t] >= 0))
 
-    def limit(logits_WxV, t):  # position t: t tokens after the row's count (min_tokens)
-        pen = penalize(logits_WxV, dict(r, count=r["count"] + t))
-        return grammar_limit(pen, logits_WxV, grammar_RxTxL, r["gstate"])
+    def limit(t):  # position t: t tokens after the row's count (min_tokens); a loop, so the mask's cond stays one
+        pen = penalize(logits[:, t], dict(r, count=r["count"] + t))
+        return grammar_limit(pen, logits[:, t], grammar_RxTxL, gstates[t])
 
-    limited = jax.vmap(limit, in_axes=(1, 0), out_axes=1)(logits, jnp.arange(N))
+    limited = jnp.stack([limit(t) for t in range(N)], axis=1)
     keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
     sampling = (r["temperature"], r["top_k"], r["top_p"])
 
@@ -376,26 +424,40 @@ def _verify_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid, draft, l
     pos = jnp.arange(N)[None]
     stop_WxN = jnp.take_along_axis(r["stop_mask"], toks, axis=-1)
     first_stop = jnp.min(jnp.where(stop_WxN, pos, N), axis=-1)
-    emitted = jnp.where(valid, jnp.minimum(accepted + 1, first_stop + 1), 0)  # <= remaining (``_proposals``)
+    emitted = jnp.where(valid, jnp.minimum(accepted + 1, first_stop + 1), 0)  # <= remaining (the drafts' bound)
+    penalized = (r["presence"] != 0) | (r["frequency"] != 0) | (r["repetition"] != 1)
+    proposed = draft[:, 0] >= 0
+    emitted = jnp.where(penalized & proposed, jnp.minimum(emitted, jnp.maximum(accepted, 1)), emitted)
     model = commit(vcfg, sub["model"], trace, emitted)  # the state after the emitted tokens, no weights read
     fresh = emitted > 0
     last = jnp.take_along_axis(toks, jnp.maximum(emitted - 1, 0)[:, None], axis=-1)[:, 0]
     remaining = r["remaining"] - emitted
     done = r["done"] | (valid & ((first_stop < emitted) | (remaining <= 0)))
-    proposed = draft[:, 0] >= 0
-    skip, pause = backoff(r["skip"], r["pause"], looked, proposed, accepted)
+    gstate = r["gstate"]
+    for t in range(N):
+        gstate = grammar_next(grammar_RxTxL, gstate, toks[:, t], t < emitted)
+
+    def counted(n):  # the output counts over the first n positions (only penalized rows read them)
+        out = r["counts"]
+        for t in range(n):
+            out = count_tokens(out, toks[:, t], t < emitted)
+        return out
+
+    several = jnp.any(penalized & proposed & (emitted > 1))  # else one token per row counts
+    counts = jax.lax.cond(several, lambda: counted(N), lambda: counted(1))
     rows = dict(
         r,
         token=jnp.where(fresh, last, r["token"]),
         count=r["count"] + jnp.maximum(emitted, 1),
         remaining=remaining,
         done=done,
-        counts=count_tokens(r["counts"], toks[:, 0], fresh),  # rows with penalties emit one token per step
-        gstate=grammar_next(grammar_RxTxL, r["gstate"], toks[:, 0], fresh),  # so do rows with a grammar
-        skip=skip,
-        pause=pause,
+        counts=counts,
+        gstate=gstate,
     )
-    stats = jnp.stack([jnp.sum(proposed & valid), jnp.sum((draft >= 0) & valid[:, None]), jnp.sum(accepted)])
+    spec = proposed & valid & (r["gstate"] < 0)  # n-gram drafts (the speculation counters; forced drafts are not)
+    if lay.speculation is not None:
+        rows["skip"], rows["pause"] = backoff(r["skip"], r["pause"], looked, proposed & (r["gstate"] < 0), accepted)
+    stats = jnp.stack([jnp.sum(spec), jnp.sum((draft >= 0) & spec[:, None]), jnp.sum(jnp.where(spec, accepted, 0))])
     out = (toks, pos < emitted[:, None], _logprobs(logits, toks, valid & r["logprobs"]), stats.astype(jnp.int32))
     return lay.constrain({"model": model, "rows": rows}), out
 

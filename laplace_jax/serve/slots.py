@@ -77,9 +77,7 @@ class Slots:
         for d, rows in enumerate(self.rows):
             for i, req in enumerate(rows):
                 out, reason = [], None
-                for k in range(toks.shape[0]):
-                    if not valid[k, d, i]:
-                        continue
+                for k in np.flatnonzero(valid[:, d, i]):
                     t = int(toks[k, d, i])
                     scored = lp is not None and (float(lp[k, d, i]), top_ids[k, d, i], top_lp[k, d, i])
                     reason = accept(req, t, scored)

@@ -380,7 +380,8 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
         assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises SIGTERM once it has drained
         out = proc.stdout.read()
         assert "(float32 compute, float32 weights, exact)" in out
-        ready = r"^ready: \d+ programs compiled in [\d.]+ s; GLA kernels in them: (.*); speculative decoding: off \("
+        ready = r"^ready: \d+ programs compiled in [\d.]+ s; GLA kernels in them: (.*); speculative decoding: off; "
+        ready += r"structured jump-forward: off \("
         kernels = re.search(ready, out, re.M).group(1).split(", ")  # read from the compiled HLO
         assert kernels == ["XLA chunk kernel (blocks layout)", "XLA GLA step", "XLA conv step"], out
         assert "GLA kernel over prompts: chunk (auto: the XLA kernel on cpu)" in out

@@ -43,6 +43,16 @@ def test_out_of_range_settings_are_refused_with_their_name(field, value, message
     assert e.value.name == field
 
 
+def test_jump_forward_must_agree_with_the_speculative_verify():
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    with pytest.raises(SettingError, match="pass 0 or 3") as e:
+        ServeConfig(speculative_config=spec, jump_forward=4)
+    assert e.value.name == "jump_forward"
+    assert ServeConfig(speculative_config=spec, jump_forward=3).jump_forward == 3
+    with pytest.raises(SettingError, match="jump_forward must be >= 0"):
+        ServeConfig(jump_forward=-1)
+
+
 def test_the_cli_names_the_flag(capsys):
     with pytest.raises(SystemExit) as e:
         cli.parse(["--max-num-seqs", "0"])

@@ -433,3 +433,58 @@ def test_jump_forward_feeds_the_forced_start_with_the_prompt_and_changes_no_gree
     assert sorted(map(tuple, fed)) == sorted(
         [(*prompts[0], *answer.lead), (*prompts[1], *compact.lead), tuple(prompts[2])]
     )  # the forced starts rode the prefill; the request with logprobs decoded them one by one
+
+
+def test_jump_forward_mid_output_verifies_forced_runs_and_changes_no_greedy_token():
+    """With ``jump_forward`` 4 a constrained row drafts the tokens its automaton forces in the
+    middle of an output (a JSON key after a value, the '. ' after 'yes') and a verify emits up to
+    five per step: greedy outputs equal the masked greedy reference and, with a frequency penalty,
+    the one-token-per-step engine's output; sampled rows stay in their language; a host grammar's
+    row beside them is unchanged; nothing compiles after warmup, and the speculation counters
+    count no forced draft."""
+    comp = byte_compiler()
+    answer = comp.compile(Constraint("regex", r"The answer is (yes|no)\. [a-z]{1,9}!"))
+    compact = comp.compile(Constraint("json", json.dumps(SCHEMA), ""))
+    lark = comp.compile(Constraint("grammar", LARK))
+    prompts = [list(b"Q: "), list(b"{"), list(b"x"), list(b"{"), list(b"a"), list(b"hello ")]
+    sps = [
+        SamplingParams(max_tokens=40, temperature=0.0, automaton=answer),
+        SamplingParams(max_tokens=60, temperature=0.0, automaton=compact, logprobs=1),  # no lead: forced mid-output
+        SamplingParams(max_tokens=60, temperature=1.0, seed=4, automaton=compact),
+        SamplingParams(max_tokens=60, temperature=0.0, automaton=compact, frequency_penalty=1.5),
+        SamplingParams(max_tokens=40, temperature=1.0, seed=5, automaton=lark),
+        SamplingParams(max_tokens=12, temperature=0.0),
+    ]
+    outs, steps = {}, {}
+    for jump in (0, 4):
+        eng = Engine(
+            CFG, PARAMS, serve_config(max_num_seqs=8, prefill_chunk=16, steps_per_call=4, jump_forward=jump),
+            eos_id=TOK.eos_id,
+        )  # fmt: skip
+        eng.warmup()
+        decode, per_step = eng.programs.decode, []
+
+        def counted(width, decode=decode, per_step=per_step, jump=jump):
+            toks, valid, lps = decode(width)
+            per_step.append(valid.reshape(-1, 1 + jump, *valid.shape[1:]).sum(axis=1).max())
+            return toks, valid, lps
+
+        eng.programs.decode = counted
+        outs[jump] = eng.generate(prompts, sps)
+        steps[jump] = per_step
+        assert eng.compiles.total("serving") == 0
+        assert not eng.programs.speculation_counts.any()
+    assert max(steps[0]) == 1 and max(steps[4]) == 5  # some step emitted a whole forced run and one more
+    for jump in (0, 4):
+        o = outs[jump]
+        assert o[0].tokens == masked_greedy(prompts[0], answer, 40)
+        assert o[1].tokens == masked_greedy(prompts[1], compact, 60) and len(o[1].logprobs) == len(o[1].tokens)
+        for x in (o[2], o[3]):
+            jsonschema.validate(json.loads(bytes(x.tokens).decode()), SCHEMA)
+        assert re.fullmatch(LARK_AS_REGEX, bytes(o[4].tokens).decode())
+        assert o[5].tokens == reference_greedy(prompts[5], 12)
+    assert outs[4][3].tokens == outs[0][3].tokens  # the penalized row: counts over every forced token
+    assert outs[4][4].tokens == outs[0][4].tokens  # the host grammar's row drafts nothing
+    np.testing.assert_allclose(
+        [x[0] for x in outs[4][1].logprobs], [x[0] for x in outs[0][1].logprobs], rtol=1e-5
+    )  # the verify's logprobs are the plain steps'
