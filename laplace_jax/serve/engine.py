@@ -113,6 +113,16 @@ def build(
     return Runner(programs, compile_on_demand=buckets is None), scheduler
 
 
+def ready_line(programs: DevicePrograms, n: int, took: float) -> str:
+    """The serve banner's line once ``n`` programs compiled in ``took`` s: the GLA kernels in them,
+    speculation and jump-forward."""
+    kernels = ", ".join(programs.gla_kernels()) or "none found"
+    lay = programs.layout
+    jump = f"up to {lay.draft_tokens} forced tokens per step" if lay.draft_tokens else "off"
+    ready = f"ready: {n} programs compiled in {took:.1f} s; GLA kernels in them: {kernels}"
+    return f"{ready}; {NgramSpec.describe(lay.speculation)}; structured jump-forward: {jump}"
+
+
 class Engine:
     """Serves ``cfg`` with ``params`` from fixed per-sequence states in decode slots."""
 
@@ -301,13 +311,9 @@ class Engine:
                 on_ready(f"not serving: {self.dead}")
             return
         if on_ready:
-            n = len(self.programs.programs(self.buckets or []))
-            kernels = ", ".join(self.programs.gla_kernels()) or "none found"
-            lay = self.programs.layout
-            took, spec = time.perf_counter() - start, NgramSpec.describe(lay.speculation)
-            jump = f"up to {lay.draft_tokens} forced tokens per step" if lay.draft_tokens else "off"
-            ready = f"ready: {n} programs compiled in {took:.1f} s; GLA kernels in them: {kernels}"
-            on_ready(f"{ready}; {spec}; structured jump-forward: {jump}")
+            on_ready(
+                ready_line(self.programs, len(self.programs.programs(self.buckets or [])), time.perf_counter() - start)
+            )
         self.loop()
 
     def step(self) -> StepPlan:
