@@ -256,7 +256,7 @@ def decode_program(lay: SlotLayout, params, slots, grammar_RxTxL, W: int):
         r = sub["rows"]
         # a done row keeps its final state (the prefix cache's end entry); a row whose host grammar
         # has not written its next mask yet (its table row all HELD) waits, state and all
-        held = (r["gstate"] >= 0) & (grammar_RxTxL[jnp.maximum(r["gstate"], 0), 0, 0] == HELD)
+        held = (r["gstate"] >= 0) & _waiting(grammar_RxTxL, r["gstate"])
         valid = ~r["done"] & ~held
         plain = functools.partial(_plain_step, lay, params, grammar_RxTxL, valid=valid)
         if lay.positions == 1:
@@ -330,7 +330,7 @@ def _proposals(spec: NgramSpec, r: dict, valid_W: jax.Array) -> tuple[jax.Array,
     draft) and no grammar (its state would); only as many as its ``remaining`` tokens allow; and
     not while its look-ups are paused (``speculative.backoff``)."""
     K = spec.num_speculative_tokens
-    plain = (r["presence"] == 0) & (r["frequency"] == 0) & (r["repetition"] == 1) & (r["gstate"] < 0)
+    plain = ~_penalized(r) & (r["gstate"] < 0)
     on = valid_W & plain & (r["skip"] == 0) & (r["remaining"] > 1)
 
     def look(history_WxL, hlen_W):
@@ -340,6 +340,16 @@ def _proposals(spec: NgramSpec, r: dict, valid_W: jax.Array) -> tuple[jax.Array,
     none = lambda h, n: jnp.full((h.shape[0], K), -1, h.dtype)  # noqa: E731  every row paused: no look-up
     draft = jax.lax.cond(jnp.any(on), look, none, r["history"], r["hlen"])
     return jnp.where(on[:, None] & (jnp.arange(K)[None] < r["remaining"][:, None] - 1), draft, -1), on
+
+
+def _waiting(grammar_RxTxL, g_W: jax.Array) -> jax.Array:
+    """[W] whether table row ``g`` is a host grammar's waiting row (all ``HELD``)."""
+    return grammar_RxTxL[jnp.maximum(g_W, 0), 0, 0] == HELD
+
+
+def _penalized(r: dict) -> jax.Array:
+    """[W] whether a row samples with a presence, frequency or repetition penalty."""
+    return (r["presence"] != 0) | (r["frequency"] != 0) | (r["repetition"] != 1)
 
 
 def _forced(lay: SlotLayout, grammar_RxTxL, r: dict, valid_W: jax.Array) -> jax.Array:
@@ -358,7 +368,7 @@ def _forced(lay: SlotLayout, grammar_RxTxL, r: dict, valid_W: jax.Array) -> jax.
             allowed = nxt >= 0
             tok = jnp.argmax(allowed, axis=-1).astype(jnp.int32)
             after = jnp.take_along_axis(nxt, tok[:, None], axis=-1)[:, 0].astype(jnp.int32)
-            held = grammar_RxTxL[jnp.maximum(after, 0), 0, 0] == HELD
+            held = _waiting(grammar_RxTxL, after)
             on = on & (jnp.sum(allowed, axis=-1) == 1) & ~held & (t < r["remaining"] - 1)
             toks.append(jnp.where(on, tok, -1))
             g_W = jnp.where(on, after, g_W)
@@ -425,7 +435,7 @@ def _verify_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid, draft, l
     stop_WxN = jnp.take_along_axis(r["stop_mask"], toks, axis=-1)
     first_stop = jnp.min(jnp.where(stop_WxN, pos, N), axis=-1)
     emitted = jnp.where(valid, jnp.minimum(accepted + 1, first_stop + 1), 0)  # <= remaining (the drafts' bound)
-    penalized = (r["presence"] != 0) | (r["frequency"] != 0) | (r["repetition"] != 1)
+    penalized = _penalized(r)
     proposed = draft[:, 0] >= 0
     emitted = jnp.where(penalized & proposed, jnp.minimum(emitted, jnp.maximum(accepted, 1)), emitted)
     model = commit(vcfg, sub["model"], trace, emitted)  # the state after the emitted tokens, no weights read
