@@ -3,9 +3,10 @@ call, against another checkout of the package, side by side.
 
 Two worker processes stay alive together, one per checkout; each builds the engine for a config,
 compiles decode[W] and then, whenever asked, times the median of ``--calls`` decode calls
-(``steps_per_call`` tokens for W slots; the device runs every row, so the slots need no
-requests). The driver asks them in turn, A B A B ..., ``--rounds`` times, so machine drift hits
-both alike, and quotes the median of the per-round ratios.
+(``steps_per_call`` tokens for W slots, every slot marked live and never finishing, so the
+device runs every row without requests). The driver asks them in turn, A B A B ...,
+``--rounds`` times, so machine drift hits both alike, and quotes the median of the per-round
+ratios.
 
     python -m benchmarks.bench_decode_cost --baseline /path/to/other/checkout --out r.json
 """
@@ -23,6 +24,7 @@ from benchmarks.common import write_result
 
 WORKER = """
 import json, sys, jax
+import numpy as np
 from laplace_jax.config import load_run_config
 from laplace_jax.models.gla_lm import init_params
 from laplace_jax.platform import median_seconds
@@ -33,6 +35,9 @@ cfg = load_run_config(f"configs/{name}.py").model
 serve = ServeConfig(max_num_seqs=W, decode_buckets=str(W), steps_per_call=steps, devices=1, prefix_cache_bytes=0)
 eng = Engine(cfg, init_params(cfg, jax.random.key(0)), serve, eos_id=0)
 eng.warmup()
+rows = eng.programs.slots["rows"]  # as benchmarks.common.every_slot_live (the other checkout may lack it)
+for k, value in (("done", False), ("remaining", 2**30)):
+    rows[k] = jax.device_put(np.full(rows[k].shape, value, rows[k].dtype), rows[k].sharding)
 print("ready", flush=True)
 for _ in sys.stdin:
     print(json.dumps(median_seconds(lambda: eng.programs.decode(W)[0], repeats=calls, warmup=2)), flush=True)

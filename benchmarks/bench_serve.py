@@ -33,7 +33,7 @@ import jax
 import numpy as np
 import portpicker
 
-from benchmarks.common import write_result
+from benchmarks.common import every_slot_live, write_result
 from laplace_jax.checkpoint import save_model
 from laplace_jax.config import load_run_config
 from laplace_jax.data.tokenizer import ByteTokenizer
@@ -127,9 +127,7 @@ def decode_roofline(cfg, params, widths, steps=8, repeats=10) -> dict:
     weights = sum(x.nbytes for x in jax.tree.leaves(eng.programs.params))  # all replicas
     out = {"read_bandwidth_bytes_per_s": bw, "weights_bytes_all_devices": weights, "buckets": {}}
     print(f"  roofline: read bandwidth {bw / 1e9:.1f} GB/s; weights {weights / 1e6:.1f} MB over {DEVICES} device(s)")
-    rows = eng.programs.slots["rows"]  # every slot live and never finishing: a done row skips the model
-    for name, value in (("done", False), ("remaining", 2**30)):
-        rows[name] = jax.device_put(np.full(rows[name].shape, value, rows[name].dtype), rows[name].sharding)
+    every_slot_live(eng)
     for W in widths:
         t = median_seconds(lambda W=W: eng.programs.decode(W)[0], repeats=repeats, warmup=2)
         moved = steps * (weights + 2 * eng.state_bytes * W * DEVICES)

@@ -13,6 +13,17 @@ from laplace_jax.platform import matmul_gflops, median_seconds
 __all__ = ["baseline_chunk_gla", "matmul_gflops", "median_seconds", "write_result"]
 
 
+def every_slot_live(eng) -> None:
+    """Mark every decode slot of engine ``eng`` live and never finishing, so a timed decode call
+    runs the model for every row (a call whose rows are all done skips the model)."""
+    import jax
+    import numpy as np
+
+    rows = eng.programs.slots["rows"]
+    for name, value in (("done", False), ("remaining", 2**30)):
+        rows[name] = jax.device_put(np.full(rows[name].shape, value, rows[name].dtype), rows[name].sharding)
+
+
 def write_result(res: dict, module: str, argv: list[str] | None, out: str | None) -> None:
     """Record the command that produced ``res`` in it, and write it as JSON to ``out`` (if given)."""
     res["command"] = f"python -m benchmarks.{module} " + shlex.join(argv if argv is not None else sys.argv[1:])

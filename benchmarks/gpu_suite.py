@@ -115,6 +115,7 @@ def train_step(dry: bool) -> list[dict]:
 
 
 def decode(dry: bool) -> list[dict]:
+    from benchmarks.common import every_slot_live
     from laplace_jax.config import load_run_config
     from laplace_jax.loading import cast_params
     from laplace_jax.models.gla_lm import init_params
@@ -128,6 +129,7 @@ def decode(dry: bool) -> list[dict]:
         serve = ServeConfig(max_num_seqs=W, decode_buckets=str(W), steps_per_call=8, devices=1, prefix_cache_bytes=0)
         eng = Engine(cfg, params, serve, eos_id=0)
         eng.warmup()
+        every_slot_live(eng)
         t = median_seconds(lambda eng=eng, W=W: eng.programs.decode(W)[0], repeats=5, warmup=2)
         out.append({"width": W, "call_s": t, "tokens_per_s": 8 * W / t})
         del eng
