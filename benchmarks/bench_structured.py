@@ -10,15 +10,24 @@ automaton; host masks for a schema with numeric bounds) or none of them, in turn
 the ratios are taken run by run. All use ``ignore_eos`` so every row decodes exactly
 ``--new-tokens`` tokens (a constrained row that completes its schema keeps sampling the EOS its
 accepting state allows): the batch, and so the work per step, is the same in all. A host-masked
-row samples one token per decode call (it waits for the host's next mask); when every row waits,
-the call's later steps skip the model, so what is left is a call's fixed cost per token.
+row samples one token per engine step (it waits for the host's next mask); when every live row is
+one, a step is a decode call of one step, so what is left is a call's fixed cost per token.
 Automaton sizes are given in states and in device bytes (the grammar table's int16 entries, in
 its tiled layout) for the 3B model's vocabulary (50,304 ids).
+
+The host-mask overlap part serves a mixed batch (half the rows under the bounded schema's host
+masks, half unconstrained) with the scheduler's two-call steps (the masks computed from the first
+call's tokens while the second call runs) and with one call per step (the masks computed between
+calls), side by side run by run, with llguidance's own masks and with each mask made
+``--mask-delay-us`` slower by a sleep in the matcher's mask call (simulated: what a large
+vocabulary and a complex grammar cost per mask; not llguidance's time on this vocabulary). The
+outputs are the same tokens in both (asserted).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -139,6 +148,60 @@ def _forced_share(a, outs, eos_id: int) -> float:
     return forced / total
 
 
+class _Slowed:
+    """A host grammar backend whose every mask takes ``delay_s`` more (a sleep: the host waits as
+    for a costlier mask, the device is free)."""
+
+    def __init__(self, backend: LLGuidance, delay_s: float):
+        self.backend, self.delay_s = backend, delay_s
+
+    def allowed(self, matcher) -> np.ndarray:
+        time.sleep(self.delay_s)
+        return self.backend.allowed(matcher)
+
+
+def _host_overlap(engine: Engine, grammar, a: argparse.Namespace) -> dict:
+    """A mixed batch (half host-grammar rows of ``--new-tokens`` / 8, half unconstrained rows of
+    ``--new-tokens``, sampled, ``ignore_eos``: the two halves take about as many steps) with
+    two-call steps (``one_step`` on: the masks overlap the second call) and one call per step
+    (off), side by side run by run."""
+    prompts = [list(f"item {i}: ".encode()) for i in range(a.width)]
+    out = {}
+    for delay_us in (0, a.mask_delay_us):
+        slowed = (
+            grammar if not delay_us else dataclasses.replace(grammar, backend=_Slowed(grammar.backend, delay_us / 1e6))
+        )
+        sps = [
+            SamplingParams(max_tokens=a.new_tokens // 8, temperature=1.0, seed=i, ignore_eos=True, automaton=slowed)
+            if i % 2 == 0
+            else SamplingParams(max_tokens=a.new_tokens, temperature=1.0, seed=i, ignore_eos=True)
+            for i in range(a.width)
+        ]
+
+        def run(split: bool, sps=sps):
+            engine.scheduler.one_step = split
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, sps)
+            return time.perf_counter() - t0, [o.tokens for o in outs]
+
+        run(True), run(False)
+        times = []
+        for _ in range(a.repeats):
+            (t_on, o_on), (t_off, o_off) = run(True), run(False)
+            assert o_on == o_off, "two-call steps changed an output"
+            times.append((t_on, t_off))
+        n = sum(len(t) for t in o_on)
+        out[f"mask_delay_{delay_us}us"] = {
+            "tokens": n,
+            "overlapped_tok_s": n / statistics.median(t for t, _ in times),
+            "between_calls_tok_s": n / statistics.median(t for _, t in times),
+            "speedup": statistics.median(t_off / t_on for t_on, t_off in times),
+        }
+        print("host overlap", delay_us, out[f"mask_delay_{delay_us}us"])
+    engine.scheduler.one_step = True
+    return out
+
+
 def _jump_forward(cfg, params, tok: ByteTokenizer, a: argparse.Namespace) -> dict:
     """Engines with ``jump_forward`` 0 and K side by side, run by run: JSON-schema outputs decoded
     greedily to their end (the same tokens in both: the output is unchanged), compact (no free
@@ -209,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps-per-call", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--jump-forward", type=int, default=4, help="K of the jump-forward comparison")
+    ap.add_argument("--mask-delay-us", type=int, default=1000, help="the simulated extra cost of a host mask")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     cfg = load_run_config(a.config).model
@@ -264,6 +328,10 @@ def main(argv: list[str] | None = None) -> None:
     }
     res["host_mask_us"] = _mask_us(automata["host_json_schema"], tok.eos_id)
     print(res["throughput"], res["host_mask_us"])
+    before = engine.compiles.total("serving")
+    res["host_overlap"] = _host_overlap(engine, automata["host_json_schema"], a)
+    res["host_overlap"]["mask_delay_us"] = a.mask_delay_us
+    res["host_overlap"]["compiles_while_serving"] = engine.compiles.total("serving") - before
     res["jump_forward"] = _jump_forward(cfg, params, tok, a)
     write_result(res, "bench_structured", argv, a.out)
 

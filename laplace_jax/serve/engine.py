@@ -325,14 +325,14 @@ class Engine:
             return plan
         t0 = time.perf_counter()
         try:
-            out = self.runner.execute(plan)
+            out = self.runner.execute(plan, sched.early_masks)
         except Exception as e:
             raise DeviceLoopError(plan, f"{type(e).__name__}: {e}") from e
         sched.update(plan, out)
         if self.metrics is not None:
             if plan.decode_width is not None:
                 tokens, took = int(out.decoded[1].sum()), time.perf_counter() - t0  # a speculative row gets 1 .. K+1
-                self.metrics.on_decode(plan.decode_width, list(plan.live), took, sched.steps_per_call, tokens)
+                self.metrics.on_decode(plan.decode_width, list(plan.live), took, sum(plan.decode_steps), tokens)
             self.metrics.on_engine(self.programs.prefilled_tokens, self.prefix, self.programs.speculation_counts)
         return plan
 

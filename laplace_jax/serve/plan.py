@@ -65,13 +65,15 @@ class Admission:
 class StepPlan:
     """One step: ``grammar_writes`` ((first row, rows) into the structured-output table: automata
     placed, host grammars' next masks) and ``slot_ops`` in order, then ``admission`` or a decode at
-    ``decode_width`` (``live``: the live slots per device it serves)."""
+    ``decode_width`` (``live``: the live slots per device it serves) of one call per entry of
+    ``decode_steps`` (its steps; with two, the host grammars' next masks are written between them)."""
 
     slot_ops: tuple[Snapshot | Move, ...] = ()
     admission: Admission | None = None
     decode_width: int | None = None
     live: tuple[int, ...] = ()
     grammar_writes: tuple[tuple[int, np.ndarray], ...] = ()
+    decode_steps: tuple[int, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.slot_ops or self.admission or self.decode_width or self.grammar_writes)
@@ -85,7 +87,8 @@ class StepOutput:
     admission's prefill failed (nothing was inserted). ``blocks``: (device, ids done, state) of
     the kept block states. ``scores[d]``: device d's prompt logprobs (``score``). ``first[k]``:
     member rank k's first tokens [D] and their (logprob [D], top ids [D, k], top logprobs [D, k]).
-    ``decoded``: the decode call's tokens and valid flags [steps, D, W] and their logprobs."""
+    ``decoded``: the decode calls' tokens and valid flags [K, D, W] (the calls' positions in
+    order) and each call's logprobs (on the device: ``slots.read_if`` reads them)."""
 
     snapshots: list[dict[int, Any]] = dataclasses.field(default_factory=list)
     prefill_error: str | None = None

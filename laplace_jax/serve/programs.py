@@ -77,6 +77,9 @@ class DevicePrograms:
         )  # prefill's starting states, one per device
         self.state_bytes = sum(x.nbytes for x in jax.tree.leaves(init_state(cfg, 1)))
         self.prefilled_tokens = 0  # prompt ids run through prefill (what the prefix cache saves)
+        self.step_counts = {  # decode's steps argument, on the devices once (no transfer per call)
+            n: jax.device_put(np.int32(n), self.layout.replicated()) for n in {1, steps_per_call}
+        }
 
     def new_slots(self) -> dict:
         """Fresh slot buffers (every slot idle), sharded over the devices."""
@@ -218,29 +221,48 @@ class DevicePrograms:
         self.slots, first, lps = self.executables[("insert", D)](self.slots, self.grammar, state, logits, req, local)
         return np.asarray(first), lps
 
-    def decode(self, width: int) -> tuple[np.ndarray, np.ndarray, tuple[jax.Array, ...]]:
-        """One decode call for the first ``width`` local slots of each device: (tokens, valid)
-        [K, D, W] on the host (K = steps x positions per step; a row's real tokens in order), and
-        the tokens' (logprob [K, D, W], top ids and top logprobs [K, D, W, k]) left on the device
-        (read them only when a request wants them). Adds the call's speculation counters to
-        ``speculation_counts``."""
-        ex = self.executables[("decode", width)]
-        self.slots, toks, valid, lps, counts = ex(self.params, self.slots, self.grammar)
+    def launch(self, width: int, steps: int | None = None) -> tuple:
+        """Dispatch one decode call of ``steps`` (1 or ``steps_per_call``, the default: the later
+        steps skip the model) for the first ``width`` local slots of each device, without waiting
+        for it; ``read`` its result."""
+        count = self.step_counts[steps or self.steps_per_call]
+        self.slots, *out = self.executables[("decode", width)](self.params, self.slots, self.grammar, count)
+        return tuple(out)
+
+    def read(self, launched: tuple) -> tuple[np.ndarray, np.ndarray, tuple[jax.Array, ...]]:
+        """A launched call's (tokens, valid) [K, D, W] on the host (K = steps x positions per step;
+        a row's real tokens in order), and the tokens' (logprob [K, D, W], top ids and top
+        logprobs [K, D, W, k]) left on the device (read them only when a request wants them).
+        Adds the call's speculation counters to ``speculation_counts``."""
+        toks, valid, lps, counts = launched
         if self.layout.speculation is not None:  # (zeros otherwise: no transfer)
             self.speculation_counts += np.asarray(counts)
         return np.asarray(toks), np.asarray(valid), lps
 
-    def write_grammar(self, base: int, rows_NxV: np.ndarray) -> None:
-        """Put ``rows`` (entries already table rows, or negative) at rows ``base``.. of the grammar
-        table, ``GRAMMAR_BLOCK`` rows per call."""
+    def decode(self, width: int, steps: int | None = None) -> tuple[np.ndarray, np.ndarray, tuple[jax.Array, ...]]:
+        """One decode call, waited for: ``read(launch(width, steps))``."""
+        return self.read(self.launch(width, steps))
+
+    def write_grammar(self, writes: Sequence[tuple[int, np.ndarray]]) -> None:
+        """Put each (first row, rows [N, V]: entries already table rows, or negative) into the
+        grammar table, in order (a later write of a row wins), all of them in ``GRAMMAR_BLOCK``-row
+        calls (rows from any number of writes share a call)."""
+        if not writes:
+            return
         R, V = self.layout.grammar_rows, self.cfg.vocab_size
-        for at in range(0, len(rows_NxV), GRAMMAR_BLOCK):
-            block = np.full((GRAMMAR_BLOCK, V), -1, GRAMMAR_DTYPE)
-            piece = rows_NxV[at : at + GRAMMAR_BLOCK]
-            block[: len(piece)] = piece
+        rows = np.concatenate([r for _, r in writes])
+        where = np.concatenate([np.arange(base, base + len(r)) for base, r in writes])
+        _, last = np.unique(where[::-1], return_index=True)  # each row's last write
+        keep = np.sort(len(where) - 1 - last)
+        rows, where = rows[keep], where[keep]
+        shape = grammar_tiles_shape(GRAMMAR_BLOCK, V)
+        for at in range(0, len(rows), GRAMMAR_BLOCK):
+            piece = rows[at : at + GRAMMAR_BLOCK]
+            block = np.full((GRAMMAR_BLOCK, shape[1] * shape[2]), -1, GRAMMAR_DTYPE)  # the tiled layout, flat
+            block[: len(piece), :V] = piece
             index = np.full((GRAMMAR_BLOCK,), R, np.int32)  # R: past the end, dropped
-            index[: len(piece)] = np.arange(base + at, base + at + len(piece))
-            self.grammar = self.executables[("grammar", self.D)](self.grammar, index, grammar_tiles(block))
+            index[: len(piece)] = where[at : at + GRAMMAR_BLOCK]
+            self.grammar = self.executables[("grammar", self.D)](self.grammar, index, block.reshape(shape))
 
     def move(self, moves: dict[int, tuple[int, int]]) -> None:
         """Per device d, copy local slot moves[d][0] into moves[d][1]."""
@@ -289,5 +311,7 @@ def serving_programs(
         ("move", D, functools.partial(move_program, lay), (slots, ints, ints), (0,)),
         ("snapshot", D, functools.partial(snapshot_program, lay), (slots, ints), ()),
     ]
-    decode = [("decode", w, functools.partial(decode_program, lay, W=w), (params, slots, table), (1,)) for w in widths]
+    steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+    args = (params, slots, table, steps)
+    decode = [("decode", w, functools.partial(decode_program, lay, W=w), args, (1,)) for w in widths]
     return out + decode

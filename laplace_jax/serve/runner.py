@@ -1,15 +1,23 @@
 """Executes a ``StepPlan`` on the device programs and returns what it read back (``StepOutput``).
 
 The runner decides nothing: it runs the plan's slot operations in order, then its admission
-(one prefill, one insert per member rank) or its decode call. A failed prefill is reported in
-the output (nothing was inserted: the slot buffers are untouched); any other failure raises, and
-the engine recovers (the slot buffers are donated, so they are rebuilt).
+(one prefill, one insert per member rank) or its decode calls (of two, the second is launched
+before the first is read, and the scheduler's ``early_masks`` from the first are written while it
+runs). A failed prefill is reported in the output (nothing was inserted: the slot buffers are
+untouched); any other failure raises, and the engine recovers (the slot buffers are donated, so
+they are rebuilt).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
+
 from laplace_jax.serve.plan import Move, Snapshot, StepOutput, StepPlan
 from laplace_jax.serve.programs import DevicePrograms
+
+EarlyMasks = Callable[[np.ndarray, np.ndarray], list[tuple[int, np.ndarray]]]
 
 
 class Runner:
@@ -19,10 +27,11 @@ class Runner:
     def __init__(self, programs: DevicePrograms, compile_on_demand: bool):
         self.programs, self.compile_on_demand = programs, compile_on_demand
 
-    def execute(self, plan: StepPlan) -> StepOutput:
+    def execute(self, plan: StepPlan, early_masks: EarlyMasks | None = None) -> StepOutput:
+        """Run ``plan``; ``early_masks``: the grammar writes due after the first of two decode calls
+        (given its tokens and valid flags)."""
         out = StepOutput()
-        for base, rows in plan.grammar_writes:  # first: the inserts and decode read them
-            self.programs.write_grammar(base, rows)
+        self.programs.write_grammar(plan.grammar_writes)  # first: the inserts and decode read them
         for op in plan.slot_ops:
             if isinstance(op, Snapshot):
                 out.snapshots.append(self.programs.snapshot(op.slots))
@@ -40,9 +49,20 @@ class Runner:
                 return out
             out.first = [self.programs.insert(state, logits, where) for where in adm.inserts]
         if plan.decode_width is not None:
-            self._ensure_decode(plan.decode_width)
-            out.decoded = self.programs.decode(plan.decode_width)
+            out.decoded = self._decode(plan.decode_width, plan.decode_steps, early_masks)
         return out
+
+    def _decode(self, width: int, steps: tuple[int, ...], early_masks: EarlyMasks | None) -> tuple:
+        self._ensure_decode(width)
+        if len(steps) <= 1:
+            toks, valid, lps = self.programs.read(self.programs.launch(width, *steps))
+            return toks, valid, (lps,)
+        first, rest = self.programs.launch(width, steps[0]), self.programs.launch(width, steps[1])
+        a = self.programs.read(first)
+        if early_masks is not None:
+            self.programs.write_grammar(early_masks(a[0], a[1]))  # while ``rest`` runs
+        b = self.programs.read(rest)
+        return np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]]), (a[2], b[2])
 
     def _ensure_decode(self, width: int) -> None:
         """decode[width] must exist after warmup; only ``compile_on_demand`` compiles new widths here."""

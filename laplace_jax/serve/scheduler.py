@@ -19,27 +19,31 @@ before its prefill (``grammar_pool.py``); a group waits while the live requests'
 no room. A host grammar (``structured.HostGrammar``) gets a matcher here and a pair of rows of its
 own: each update feeds the matcher the tokens its request sampled (one per call: the row waits in
 the other row of its pair after each token) and plans the next mask's write before the next call.
-A host grammar that allows no token ends its request with an error, never an unconstrained sample.
+A step whose live rows all wait on the host runs a decode call of one step, not
+``steps_per_call`` (the call's later steps skip the model); a step with other rows too runs two
+calls, one step and then ``steps_per_call``: the host's next masks (``early_masks``) are computed from the first call's
+tokens while the device runs the second, so the host rows still sample once per step and the
+device does not wait for their masks. A host grammar that allows no token ends its request with an
+error, never an unconstrained sample.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import itertools
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from laplace_jax.serve.grammar_pool import GrammarPool
+from laplace_jax.serve.host_rows import HostRows
 from laplace_jax.serve.plan import Admission, Move, Snapshot, StepOutput, StepPlan, generating
 from laplace_jax.serve.prefix_cache import ENTRY_OVERHEAD_BYTES, PrefixCache
 from laplace_jax.serve.queue import WaitQueue
 from laplace_jax.serve.request import MAX_SEED, Request, row_params, stop_ids
 from laplace_jax.serve.slots import Slots, accept, read_if
-from laplace_jax.serve.structured import HostGrammar, TokenAutomaton, at_rows, mask_rows
+from laplace_jax.serve.structured import HostGrammar, TokenAutomaton
 
 if TYPE_CHECKING:  # a type only: eval runs the engine without metrics
     from laplace_jax.serve.metrics import ServeMetrics
@@ -97,9 +101,13 @@ class Scheduler:
         prefix: PrefixCache | None,
         grammar_rows: int,
         metrics: ServeMetrics | None = None,
+        one_step: bool = True,
     ):
+        """``one_step``: steps with rows under a host grammar run calls of one step (see the module
+        doc; off: one call of ``steps_per_call`` per step, the masks computed between calls)."""
         self.vocab_size, self.eos_id, self.prng, self.metrics = vocab_size, eos_id, prng, metrics
         self.buckets, self.steps_per_call, self.prefix = buckets, steps_per_call, prefix
+        self.one_step = one_step and steps_per_call > 1
         self.queue = WaitQueue(max_queue)
         self.slots = Slots(devices, per_device)
         self._slot_ops: list[Snapshot | Move] = []  # left by the last update, run first by the next plan
@@ -107,10 +115,7 @@ class Scheduler:
         self._seeds = np.random.default_rng()
         self._reserved: set[Request] = set()
         self.grammar = GrammarPool(grammar_rows)  # the device's structured-output table rows
-        self.hosts: dict[Request, HostRow] = {}  # live requests under a host grammar
-        self._host_runs: dict[Request, HostGrammar] = {}  # their own pairs of rows (keys of their own)
-        self._run_ids = itertools.count()
-        self._host_writes: list[tuple[int, np.ndarray]] = []  # next masks, for the next plan
+        self.hosts = HostRows(eos_id)  # live requests under a host grammar
 
     def bucket_for(self, n: int) -> int:
         return n if self.buckets is None else next(w for w in self.buckets if w >= n)
@@ -142,22 +147,24 @@ class Scheduler:
         live = self.slots.occupancy()
         if any(live):
             width = self.bucket_for(max(live))
-            return StepPlan(ops, decode_width=width, live=tuple(live), grammar_writes=self._writes())
+            S = self.steps_per_call
+            steps = self.hosts.calls(self.slots.live(), S) if self.one_step else (S,)
+            return StepPlan(
+                ops, decode_width=width, live=tuple(live), grammar_writes=self._writes(), decode_steps=steps
+            )
         return StepPlan(ops, grammar_writes=self._writes())
 
     def _writes(self) -> tuple[tuple[int, np.ndarray], ...]:
-        """The grammar-table writes due before the next device call (placed runs, then next masks)."""
-        out, self._host_writes = (*self.grammar.writes(), *self._host_writes), []
-        return out
+        """The grammar-table writes due before the next device call: the live host grammars' next
+        masks, then the runs placed (a row a just-ended request held may be placed again)."""
+        live = set(self.slots.live())
+        return (*self.hosts.due(live), *self.grammar.writes())
 
     def _run(self, r: Request, lead: bool) -> TokenAutomaton | HostGrammar | None:
         """What ``r`` holds in the grammar table: its automaton, or its host grammar's own pair of
         rows (its first mask after the lead when ``lead``)."""
         a = r.sampling.automaton
-        if isinstance(a, HostGrammar) and r not in self._host_runs:
-            table = a.lead_table if lead else a.table
-            self._host_runs[r] = dataclasses.replace(a, key=f"{a.key}:{next(self._run_ids)}", table=table)
-        return self._host_runs.get(r, a)
+        return self.hosts.run(r, lead) if isinstance(a, HostGrammar) else a
 
     def _grammar_room(self, group: list[Request]) -> bool:
         """Reserve grammar-table rows for a group's constrained members; False (nothing reserved)
@@ -184,7 +191,7 @@ class Scheduler:
                 if row is None:
                     raise RuntimeError("no room in the structured-output table")
                 if isinstance(a, HostGrammar):
-                    self.hosts[r] = HostRow(a, a.matcher(bool(lead)), row, consumed=len(lead))
+                    self.hosts.add(r, row, len(lead))
                 rows[r] = row + (a.lead_state if lead and isinstance(a, TokenAutomaton) else 0)
         return rows
 
@@ -230,26 +237,21 @@ class Scheduler:
         if self.hosts:
             self._host_masks()
 
+    def early_masks(self, toks: np.ndarray, valid: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """The live host-grammar rows' next masks from the first call of a two-call step (its
+        tokens and valid flags [K, D, W] on the host), for the runner to write while the second
+        call runs (in which these rows wait). ``update`` then finds their tokens fed, and ends a
+        row whose grammar allows no token after delivering its token."""
+        return self.hosts.early(self.slots.rows, toks, valid)
+
     def _host_masks(self) -> None:
         """Feed each live host-grammar request's new tokens to its matcher and plan its next mask;
         end a request whose grammar allows no token next."""
-        live = set(self.slots.live())
-        for r in [r for r in self.hosts if r not in live]:
-            del self.hosts[r]
-            self._host_runs.pop(r, None)
         stuck: dict[int, list[int]] = {}
-        for r, h in self.hosts.items():
-            new, h.consumed = r.sampled[h.consumed :], len(r.sampled)
-            if not new:
-                continue
-            allowed = h.advance(new, self.eos_id)
-            if allowed is None:
-                d = next(d for d, rows in enumerate(self.slots.rows) if r in rows)
-                stuck.setdefault(d, []).append(self.slots.rows[d].index(r))
-                r.fail(f"structured_outputs: the grammar allows no token after {len(r.sampled)} generated")
-                continue
-            h.current = 1 - h.current
-            self._host_writes.append((h.base, at_rows(mask_rows(allowed, h.current), h.base)))
+        for r in self.hosts.feed(set(self.slots.live())):
+            d = next(d for d, rows in enumerate(self.slots.rows) if r in rows)
+            stuck.setdefault(d, []).append(self.slots.rows[d].index(r))
+            r.fail(f"structured_outputs: the grammar allows no token after {len(r.sampled)} generated")
         if stuck:
             self._slot_ops += [Move(m) for m in self.slots.free(stuck)]
 
@@ -275,7 +277,7 @@ class Scheduler:
         finished: dict[int, list[int]] = {}
         for k, (first, lps) in enumerate(out.first):
             ranked = {d: m[k] for d, m in members.items() if k < len(m)}
-            lp, top_ids, top_lp = read_if(lps, ranked.values())
+            lp, top_ids, top_lp = read_if(ranked.values(), lps)
             now = time.perf_counter()
             for d, req in ranked.items():
                 tok = int(first[d])
@@ -325,8 +327,6 @@ class Scheduler:
         self._slot_ops = []
         self.grammar.clear()
         self.hosts.clear()
-        self._host_runs.clear()
-        self._host_writes = []
         if self.prefix is not None:
             self.prefix.clear()
 
@@ -350,26 +350,3 @@ def jump_lead(group: list[Request], eos_id: int) -> tuple[int, ...]:
         ):
             return ()
     return a.lead
-
-
-@dataclasses.dataclass(eq=False)
-class HostRow:
-    """A request under a host grammar: its matcher, its pair of table rows (``base``, ``base`` + 1;
-    ``current``: the one holding the mask the device samples from next), the tokens fed so far."""
-
-    grammar: HostGrammar
-    matcher: Any
-    base: int
-    current: int = 0
-    consumed: int = 0
-
-    def advance(self, tokens: list[int], eos_id: int) -> np.ndarray | None:
-        """Feed ``tokens``; the [V] allowed tokens next, or None when none is (or the matcher failed).
-        An EOS in an accepting state is not fed (``ignore_eos`` samples it again: the mask stays)."""
-        for t in tokens:
-            if not (t == eos_id and self.matcher.is_accepting()):
-                self.matcher.consume_token(t)
-        if self.matcher.is_error():
-            return None
-        allowed = self.grammar.allowed(self.matcher)
-        return allowed if allowed.any() else None

@@ -239,8 +239,9 @@ def insert_program(lay: SlotLayout, slots, grammar_RxTxL, state_D, logits_DxV, r
     return lay.constrain({"model": model, "rows": rows}), first, token_logprobs(logits_DxV, first)
 
 
-def decode_program(lay: SlotLayout, params, slots, grammar_RxTxL, W: int):
-    """``steps_per_call`` steps for the first W local slots of every device: the slots after them,
+def decode_program(lay: SlotLayout, params, slots, grammar_RxTxL, steps, W: int):
+    """``steps`` (a device scalar, 1 .. ``steps_per_call``: the later steps skip the model and emit
+    nothing) for the first W local slots of every device: the slots after them,
     and per emitted position (``steps x positions`` of them, [.., D, W]) the tokens, whether each
     is real, and their logprobs; and the speculation counters [3] (drafts, draft tokens,
     accepted tokens; zeros without speculation)."""
@@ -252,12 +253,12 @@ def decode_program(lay: SlotLayout, params, slots, grammar_RxTxL, W: int):
     def give(x, sub):
         return _join(jax.lax.dynamic_update_slice_in_dim(_split(x, D), _split(sub, D), 0, 1))
 
-    def step(sub, _):
+    def step(sub, i):
         r = sub["rows"]
         # a done row keeps its final state (the prefix cache's end entry); a row whose host grammar
         # has not written its next mask yet (its table row all HELD) waits, state and all
         held = (r["gstate"] >= 0) & _waiting(grammar_RxTxL, r["gstate"])
-        valid = ~r["done"] & ~held
+        valid = ~r["done"] & ~held & (i < steps)
         plain = functools.partial(_plain_step, lay, params, grammar_RxTxL, valid=valid)
         if lay.positions == 1:
             return jax.lax.cond(jnp.any(valid), plain, functools.partial(_idle_step, lay, plain), sub)
@@ -282,7 +283,7 @@ def decode_program(lay: SlotLayout, params, slots, grammar_RxTxL, W: int):
         return dict(sub, rows=rows), out
 
     sub, (toks, valid, lps, stats) = jax.lax.scan(
-        step, lay.constrain(jax.tree.map(take, slots)), None, length=lay.steps_per_call
+        step, lay.constrain(jax.tree.map(take, slots)), jnp.arange(lay.steps_per_call)
     )
     K = lay.steps_per_call * N  # [steps, D*W, N, ..] -> [steps * N, D, W, ..]: emitted in order
     toks, valid, lps = jax.tree.map(lambda x: _positions(x, K, D, W), (toks, valid, lps))
@@ -306,7 +307,8 @@ def _plain_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid):
     stop = jnp.take_along_axis(r["stop_mask"], tok[:, None], axis=-1)[:, 0]
     done = r["done"] | (valid & (stop | (remaining <= 0)))
     counts = count_tokens(r["counts"], tok, valid)
-    rows = dict(r, token=tok, count=r["count"] + 1, remaining=remaining, done=done, counts=counts, gstate=gstate)
+    count = r["count"] + valid  # a row's tokens (min_tokens, its sampling key): a waiting row's stays
+    rows = dict(r, token=tok, count=count, remaining=remaining, done=done, counts=counts, gstate=gstate)
     out = (tok, valid, _logprobs(logits, tok, valid & r["logprobs"]), jnp.zeros((3,), jnp.int32))
     return lay.constrain({"model": model, "rows": rows}), jax.tree.map(lambda x: x[:, None], out[:3]) + out[3:]
 
@@ -317,7 +319,7 @@ def _idle_step(lay: SlotLayout, live, sub):
     r = sub["rows"]
     shapes = jax.eval_shape(live, sub)[1]
     outs = jax.tree.map(_zeros, shapes)
-    rows = dict(r, count=r["count"] + 1)
+    rows = dict(r)
     if lay.speculation is not None:
         rows["skip"] = jnp.maximum(r["skip"] - 1, 0)
     tok = jnp.broadcast_to(r["token"][:, None], outs[0].shape)
@@ -458,7 +460,7 @@ def _verify_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid, draft, l
     rows = dict(
         r,
         token=jnp.where(fresh, last, r["token"]),
-        count=r["count"] + jnp.maximum(emitted, 1),
+        count=r["count"] + emitted,
         remaining=remaining,
         done=done,
         counts=counts,

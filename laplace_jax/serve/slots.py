@@ -15,11 +15,12 @@ import numpy as np
 from laplace_jax.serve.request import Request
 
 
-def read_if(lps: tuple, requests: Iterable[Request]) -> tuple:
-    """The device's logprob outputs on the host if any of ``requests`` uses them, else Nones (a
-    device-to-host copy saved on every call that nobody reads)."""
+def read_if(requests: Iterable[Request], *calls: tuple) -> tuple:
+    """The device's logprob outputs (one tuple per call, joined along the positions) on the host
+    if any of ``requests`` uses them, else Nones (a device-to-host copy saved on every call that
+    nobody reads)."""
     if any(r.wants_logprobs for r in requests):
-        return tuple(np.asarray(x) for x in lps)
+        return tuple(np.concatenate([np.asarray(c[i]) for c in calls]) for i in range(len(calls[0])))
     return None, None, None
 
 
@@ -66,12 +67,12 @@ class Slots:
         live, self.rows = self.live(), [[] for _ in self.rows]
         return live
 
-    def collect(self, toks: np.ndarray, valid: np.ndarray, lps: tuple) -> tuple[dict, dict]:
-        """Hand one decode call's tokens ([positions, devices, width]; a row's real ones, marked by
-        ``valid``, in order, possibly with gaps: a speculative step emits 1 .. K + 1) to their
-        requests. Returns ({d: finished slots}, {d: [(slot, request)] that finished with "stop"
-        or "length"})."""
-        lp, top_ids, top_lp = read_if(lps, self.live())
+    def collect(self, toks: np.ndarray, valid: np.ndarray, lps: tuple[tuple, ...]) -> tuple[dict, dict]:
+        """Hand one step's decode tokens ([positions, devices, width]; a row's real ones, marked by
+        ``valid``, in order, possibly with gaps: a speculative step emits 1 .. K + 1; ``lps``: each
+        call's logprobs) to their requests. Returns ({d: finished slots}, {d: [(slot, request)]
+        that finished with "stop" or "length"})."""
+        lp, top_ids, top_lp = read_if(self.live(), *lps)
         done: dict[int, list[int]] = {}
         ended: dict[int, list[tuple[int, Request]]] = {}
         for d, rows in enumerate(self.rows):

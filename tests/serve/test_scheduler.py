@@ -111,7 +111,7 @@ class FakeRunner:
                     s["left"] -= 1
                     toks[k, d, i], valid[k, d, i] = s["token"], True
                     s["done"] = s["token"] in s["stops"] or s["left"] <= 0
-        return toks, valid, self._lps((self.steps, self.D, W))
+        return toks, valid, (self._lps((self.steps, self.D, W)),)
 
     @staticmethod
     def _lps(shape):
@@ -132,7 +132,7 @@ class Served:
         self.reason = reason
 
 
-def scheduler(devices=1, per_device=4, buckets="pow2", steps=2, max_queue=64, prefix=None) -> Scheduler:
+def scheduler(devices=1, per_device=4, buckets="pow2", steps=2, max_queue=64, prefix=None, one_step=True) -> Scheduler:
     return Scheduler(
         devices=devices,
         per_device=per_device,
@@ -144,6 +144,7 @@ def scheduler(devices=1, per_device=4, buckets="pow2", steps=2, max_queue=64, pr
         prng="threefry2x32",
         prefix=prefix,
         grammar_rows=64,
+        one_step=one_step,
     )
 
 
@@ -403,6 +404,59 @@ def test_a_host_grammar_with_no_next_token_ends_its_request_with_an_error_only()
     run(sched, dev)
     assert plain.tokens == reference(prompt(2), 8) and plain.reason == "length"
     assert not sched.hosts and sched.slots.occupancy() == [0]
+
+
+class _Fed:
+    """A host grammar's backend that allows every token and records what it was fed."""
+
+    def __init__(self):
+        self.fed: list[int] = []
+
+    def deep_copy(self):
+        return self
+
+    def consume_token(self, token):
+        self.fed.append(token)
+
+    def is_accepting(self):
+        return False
+
+    def is_error(self):
+        return False
+
+    def allowed(self, matcher):
+        return np.ones((V,), bool)
+
+
+def test_host_grammar_rows_get_one_step_calls_and_their_next_masks_early():
+    """A step whose live rows are all under a host grammar is one call of one step; with other
+    rows too, a call of one step then one of ``steps_per_call``: the host rows' next masks come
+    from the first call's tokens (``early_masks``, for the runner to write while the second runs)
+    and the update does not feed those tokens again."""
+    from laplace_jax.serve.structured import HELD, HostGrammar, mask_rows
+
+    backend = _Fed()
+    grammar = HostGrammar("g", mask_rows(np.ones((V,), bool), 0), "k", 0.0, backend, backend)
+    sched = scheduler(per_device=2, steps=3)
+    host, plain = Served(prompt(1), max_tokens=8, automaton=grammar), Served(prompt(2), max_tokens=5)
+    sched.queue.put([host.req])
+    sched.queue.put([plain.req])
+    dev = FakeRunner(1, 2, 3)
+    while sched.slots.occupancy() != [2]:
+        step(sched, dev)
+    assert backend.fed == host.tokens == [host.tokens[0]]  # the insert's first token
+    plan = sched.schedule()
+    assert plan.decode_steps == (1, 3) and plan.decode_width == 2
+    toks, valid = np.array([[[7, 9]]], np.int32), np.ones((1, 1, 2), bool)
+    [(base, rows)] = sched.early_masks(toks, valid)
+    assert backend.fed[-1] == 7 and (rows[0] == base + 1).all() and (rows[1] == HELD).all()  # the next mask
+    rest = np.array([[[0, 10]], [[0, 11]], [[0, 12]]], np.int32), np.array([[[0, 1]]] * 3, bool)  # the host row waits
+    out = StepOutput(decoded=(np.concatenate([toks, rest[0]]), np.concatenate([valid, rest[1]]), (None, None)))
+    sched.update(plan, out)
+    assert host.tokens[1:] == [7] and backend.fed == host.tokens  # fed once
+    assert plain.tokens[1:] == [9, 10, 11, 12] and plain.reason == "length"
+    plan = sched.schedule()
+    assert plan.decode_steps == (1,) and plan.live == (1,)
 
 
 def test_jump_forward_emits_the_forced_start_and_counts_it_toward_max_tokens():

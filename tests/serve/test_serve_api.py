@@ -100,14 +100,14 @@ def test_a_decode_call_computes_logprobs_only_when_a_row_reads_them():
     eng = Engine(CFG, PARAMS, serve_config(max_num_seqs=2), eos_id=TOK.eos_id)
     eng.warmup()
     calls = []
-    decode = eng.programs.decode
+    read = eng.programs.read
 
-    def recording(width):
-        toks, valid, lps = decode(width)
+    def recording(launched):
+        toks, valid, lps = read(launched)
         calls.append((valid, np.asarray(lps[0]), np.asarray(lps[2])))
         return toks, valid, lps
 
-    eng.programs.decode = recording
+    eng.programs.read = recording
     ids = TOK.encode("Return the number")
     plain = SamplingParams(max_tokens=8, temperature=0)
     eng.submit(Request(ids, plain, lambda t, r: None))
@@ -347,8 +347,8 @@ def test_tokenization_runs_off_the_event_loop(srv):
 
 def test_a_queued_client_that_leaves_frees_its_place():
     s = Running(max_num_seqs=1, prefill_chunk=16, steps_per_call=1, max_queue=2, decode_buckets="1", drain_timeout=2)
-    decode = s.engine.programs.decode
-    s.engine.programs.decode = lambda w: (time.sleep(0.05), decode(w))[1]  # keep the one slot busy for ~25 s
+    read = s.engine.programs.read
+    s.engine.programs.read = lambda call: (time.sleep(0.05), read(call))[1]  # keep the one slot busy for ~25 s
     try:
         long = threading.Thread(
             target=lambda: s.post({"model": "tiny", "prompt": "a", "max_tokens": 500, "ignore_eos": True}),

@@ -210,13 +210,13 @@ def test_engine_masks_on_device_and_leaves_unconstrained_rows_alone():
         SamplingParams(max_tokens=80, temperature=0.0, automaton=js, min_tokens=80),  # the grammar wins
         SamplingParams(max_tokens=12, temperature=0.0),
     ]
-    decode = eng.programs.decode
+    launch = eng.programs.launch
 
-    def on_device_only(width):  # a decode call sends nothing from the host: the masks live on device
+    def on_device_only(width, *steps):  # a decode call sends nothing from the host: the masks live on device
         with jax.transfer_guard_host_to_device("disallow_explicit"):
-            return decode(width)
+            return launch(width, *steps)
 
-    eng.programs.decode = on_device_only
+    eng.programs.launch = on_device_only
     outs = eng.generate(prompts, sps)
     assert eng.compiles.total("serving") == 0  # (before the reference decode below compiles its own)
     assert re.fullmatch(REGEX, bytes(outs[0].tokens).decode()) and outs[0].finish_reason == "stop"
@@ -324,9 +324,12 @@ def test_tool_choice_auto_and_unknown_function_are_refused(srv):
 
 
 def test_host_grammars_mask_per_token_beside_automata_and_plain_rows():
-    """A Lark grammar and a schema with numeric bounds (llguidance's masks, written by the host
-    between calls) decode in one batch with an automaton row and plain greedy rows: every output
-    is in its language, the plain rows equal the reference, and nothing compiles after warmup."""
+    """A Lark grammar and a schema with numeric bounds (llguidance's masks, written by the host)
+    decode in one batch with an automaton row and plain greedy rows: every output is in its
+    language, the plain rows equal the reference, and nothing compiles after warmup. While other
+    rows decode, a step is one call of one step and one of ``steps_per_call`` whose run the host's
+    masks are written in; once only host rows are left, a step is one call of one step; and every
+    output is the same token for token as from one call of ``steps_per_call`` per step."""
     eng = Engine(CFG, PARAMS, serve_config(max_num_seqs=4, prefill_chunk=16, steps_per_call=4), eos_id=TOK.eos_id)
     eng.warmup()
     comp = byte_compiler()
@@ -342,8 +345,20 @@ def test_host_grammars_mask_per_token_beside_automata_and_plain_rows():
         SamplingParams(max_tokens=12, temperature=0.0),
         SamplingParams(max_tokens=60, temperature=0.0, automaton=lark, min_tokens=60),  # the grammar wins
     ]
+    events = []
+    programs = eng.programs
+    launch, read, write = programs.launch, programs.read, programs.write_grammar
+    programs.launch = lambda width, *steps: (events.append(f"launch{steps}"), launch(width, *steps))[1]
+    programs.read = lambda call: (events.append("read"), read(call))[1]
+    programs.write_grammar = lambda writes: (writes and events.append("write"), write(writes))[1]
     outs = eng.generate(prompts, sps)
     assert eng.compiles.total("serving") == 0
+    trace = " ".join(events)
+    assert "launch(1,) launch(4,) read write read" in trace  # the masks written while the second call runs
+    assert "launch(1,) read write launch(1,)" in trace  # host rows alone: one step per call
+    eng.scheduler.one_step = False
+    again = eng.generate(prompts, sps)
+    assert [o.tokens for o in again] == [o.tokens for o in outs]
     for o in (outs[0], outs[5]):
         assert re.fullmatch(LARK_AS_REGEX, bytes(o.tokens).decode()) and o.finish_reason == "stop"
     jsonschema.validate(json.loads(bytes(outs[1].tokens).decode()), BOUNDED)
@@ -462,14 +477,14 @@ def test_jump_forward_mid_output_verifies_forced_runs_and_changes_no_greedy_toke
             eos_id=TOK.eos_id,
         )  # fmt: skip
         eng.warmup()
-        decode, per_step = eng.programs.decode, []
+        read, per_step = eng.programs.read, []
 
-        def counted(width, decode=decode, per_step=per_step, jump=jump):
-            toks, valid, lps = decode(width)
+        def counted(launched, read=read, per_step=per_step, jump=jump):
+            toks, valid, lps = read(launched)
             per_step.append(valid.reshape(-1, 1 + jump, *valid.shape[1:]).sum(axis=1).max())
             return toks, valid, lps
 
-        eng.programs.decode = counted
+        eng.programs.read = counted
         outs[jump] = eng.generate(prompts, sps)
         steps[jump] = per_step
         assert eng.compiles.total("serving") == 0
