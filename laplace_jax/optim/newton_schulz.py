@@ -126,7 +126,9 @@ def make_plan(shapes: Sequence[tuple[int, int]], n_ranks: int, split: Sequence[i
     for i, (m, n) in enumerate(padded):
         offset[i] = used[owner[i]]
         used[owner[i]] += m * n // n_ranks
-    return Plan(n_ranks, padded, split, tuple(owner), tuple(offset), max([*used, 1]), flops)
+    segment = max([*used, 1])
+    segment += segment % 2  # even: a 16-bit payload crosses as pairs (``as_wire``)
+    return Plan(n_ranks, padded, split, tuple(owner), tuple(offset), segment, flops)
 
 
 def _pack(pieces_by_owner: dict[int, list[Array]], n_ranks: int, segment: int, wire: jnp.dtype) -> Array:
@@ -144,7 +146,7 @@ def _exchange(buf_NxS: Array, axis_name: str | None, n_ranks: int) -> Array:
     if n_ranks == 1:
         return buf_NxS.astype(jnp.float32)
     exchange = functools.partial(jax.lax.all_to_all, axis_name=axis_name, split_axis=0, concat_axis=0, tiled=True)
-    return as_wire(exchange, buf_NxS).astype(jnp.float32)
+    return as_wire(exchange, buf_NxS, pairs=True).astype(jnp.float32)
 
 
 def _owned_results(

@@ -1,5 +1,8 @@
 """Muon vs optax.contrib.muon and torch.optim.Muon; distributed == single device; routing; errors."""
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,19 +143,31 @@ def test_distributed_equals_single_device(comm_dtype):
         assert float(jnp.max(jnp.abs(a - b))) <= tol, jax.tree_util.keystr(path)
 
 
-def test_compiled_update_has_two_all_to_alls_and_no_all_gather():
+@pytest.mark.parametrize("comm_dtype", [None, jnp.bfloat16])
+def test_compiled_update_has_two_all_to_alls_and_no_all_gather(comm_dtype):
+    """Two all-to-alls; a bf16 payload crosses as pairs of its bits in uint32 words (as uint16,
+    the TPU compiler's host memory for a large exchange grew past 14 GB: docs/context.md), 2
+    bytes an element either way."""
     # Fan-in divisible by the mesh, as for every hidden matrix of the configs (replicated leaves
     # with padded rows are exact too, see above, but their result is re-replicated by a gather).
     r = np.random.default_rng(3)
     shapes = {"a": (3, 40, 24), "b": (24, 70), "c": (64, 16), "d": (2, 8, 96), "e": (3, 20, 32)}
     params = {k: {"kernel": jnp.asarray(r.standard_normal(s), jnp.float32)} for k, s in shapes.items()}
     mesh = _mesh()
-    tx = muon(0.01, mesh=mesh, param_specs=_specs(params))
+    tx = muon(0.01, mesh=mesh, param_specs=_specs(params), comm_dtype=comm_dtype)
     sharded = _shard(mesh, params)
     state = tx.init(sharded)
     hlo = jax.jit(tx.update).lower(sharded, state, sharded).compile().as_text()
-    assert hlo.count("all-to-all(") == 2
+    exchanges = [line.split(" all-to-all(")[0] for line in hlo.splitlines() if " all-to-all(" in line]
+    assert len(exchanges) == 2
     assert "all-gather" not in hlo
+    elements = sum(math.prod(s) for s in shapes.values()) // mesh.size  # this rank's blocks
+    for result in exchanges:  # (XLA:CPU splits an all-to-all's buffer into one operand per rank)
+        parts = re.findall(r"(\w+)\[([\d,]+)\]", result)
+        assert {dtype for dtype, _ in parts} == {"f32" if comm_dtype is None else "u32"}
+        words = sum(math.prod(int(d) for d in dims.split(",")) for _, dims in parts)
+        payload = words * (1 if comm_dtype is None else 2)  # elements: a word holds two bf16 values
+        assert elements <= payload <= 2 * elements  # this rank's blocks, and the buffer's padding
 
 
 def test_routing_of_the_model_tree():
