@@ -367,50 +367,12 @@ def test_reset_fails_the_requests_being_admitted():
     assert [g.reason for g in group] == ["error", "error"] and sched.idle()
 
 
-class _DeadEnd:
-    """A host grammar's backend whose grammar allows no token after the first (a matcher stand-in)."""
+class _Backend:
+    """A host grammar's backend and matcher stand-in: after the first token it allows every token
+    (``allow``) or none, and it records what it was fed."""
 
-    def deep_copy(self):
-        return self
-
-    def consume_token(self, token):
-        return True
-
-    def is_accepting(self):
-        return False
-
-    def is_error(self):
-        return False
-
-    def allowed(self, matcher):
-        return np.zeros((V,), bool)
-
-
-def test_a_host_grammar_with_no_next_token_ends_its_request_with_an_error_only():
-    """The request fails (never an unconstrained sample), its slot is freed, its pair of table rows
-    was written before its insert, and its neighbour decodes to its reference."""
-    from laplace_jax.serve.structured import HELD, HostGrammar, mask_rows
-
-    dead = _DeadEnd()
-    grammar = HostGrammar("g", mask_rows(np.ones((V,), bool), 0), "k", 0.0, dead, dead)
-    sched, dev = scheduler(per_device=2, steps=3), FakeRunner(1, 2, 3)
-    stuck, plain = Served(prompt(1), max_tokens=8, automaton=grammar), Served(prompt(2), max_tokens=8)
-    sched.queue.put([stuck.req])
-    sched.queue.put([plain.req])
-    plan = step(sched, dev)
-    [(base, rows)] = plan.grammar_writes
-    assert rows.shape == (2, V) and (rows[0] == base + 1).all() and (rows[1] == HELD).all()
-    assert stuck.reason == "error" and "allows no token" in stuck.req.error and stuck.tokens == reference(prompt(1), 1)
-    run(sched, dev)
-    assert plain.tokens == reference(prompt(2), 8) and plain.reason == "length"
-    assert not sched.hosts and sched.slots.occupancy() == [0]
-
-
-class _Fed:
-    """A host grammar's backend that allows every token and records what it was fed."""
-
-    def __init__(self):
-        self.fed: list[int] = []
+    def __init__(self, allow: bool):
+        self.allow, self.fed = allow, []
 
     def deep_copy(self):
         return self
@@ -425,7 +387,27 @@ class _Fed:
         return False
 
     def allowed(self, matcher):
-        return np.ones((V,), bool)
+        return np.full((V,), self.allow)
+
+
+def test_a_host_grammar_with_no_next_token_ends_its_request_with_an_error_only():
+    """The request fails (never an unconstrained sample), its slot is freed, its pair of table rows
+    was written before its insert, and its neighbour decodes to its reference."""
+    from laplace_jax.serve.structured import HELD, HostGrammar, mask_rows
+
+    dead = _Backend(allow=False)
+    grammar = HostGrammar("g", mask_rows(np.ones((V,), bool), 0), "k", 0.0, dead, dead)
+    sched, dev = scheduler(per_device=2, steps=3), FakeRunner(1, 2, 3)
+    stuck, plain = Served(prompt(1), max_tokens=8, automaton=grammar), Served(prompt(2), max_tokens=8)
+    sched.queue.put([stuck.req])
+    sched.queue.put([plain.req])
+    plan = step(sched, dev)
+    [(base, rows)] = plan.grammar_writes
+    assert rows.shape == (2, V) and (rows[0] == base + 1).all() and (rows[1] == HELD).all()
+    assert stuck.reason == "error" and "allows no token" in stuck.req.error and stuck.tokens == reference(prompt(1), 1)
+    run(sched, dev)
+    assert plain.tokens == reference(prompt(2), 8) and plain.reason == "length"
+    assert not sched.hosts and sched.slots.occupancy() == [0]
 
 
 def test_host_grammar_rows_get_one_step_calls_and_their_next_masks_early():
@@ -435,7 +417,7 @@ def test_host_grammar_rows_get_one_step_calls_and_their_next_masks_early():
     and the update does not feed those tokens again."""
     from laplace_jax.serve.structured import HELD, HostGrammar, mask_rows
 
-    backend = _Fed()
+    backend = _Backend(allow=True)
     grammar = HostGrammar("g", mask_rows(np.ones((V,), bool), 0), "k", 0.0, backend, backend)
     sched = scheduler(per_device=2, steps=3)
     host, plain = Served(prompt(1), max_tokens=8, automaton=grammar), Served(prompt(2), max_tokens=5)
