@@ -55,6 +55,7 @@ TOOLS = [
 ]
 
 
+CHOICES = ["positive", "negative", "neutral"]
 LARK = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,3}/'
 LARK_AS_REGEX = r"\([0-9]{1,3}(,[0-9]{1,3})*\)"
 BOUNDED = {  # keywords past a regular expression: served by host masks
@@ -232,13 +233,15 @@ def _validate(text, schema):
 
 
 def test_openai_client_gets_valid_structured_outputs_and_tool_calls(srv):
-    """52 requests (n=2, half of them streamed): every output parses and validates."""
+    """250 requests (50 of each kind: response_format json_schema, structured_outputs regex and
+    choice, tool_choice named and required; n=2, half of them streamed): every output parses and
+    validates."""
     c = srv.client()
     chat = [{"role": "user", "content": "go"}]
     fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
     weather = TOOLS[0]["function"]["parameters"]
     checked = 0
-    for i in range(13):
+    for i in range(50):
         stream = i % 2 == 1
         kw = {"model": "tiny", "n": 2, "max_tokens": 150, "temperature": 1.0, "seed": i, "stream": stream}
         got = _texts(c.chat.completions.create(messages=chat, response_format=fmt, **kw), stream)
@@ -248,6 +251,10 @@ def test_openai_client_gets_valid_structured_outputs_and_tool_calls(srv):
             c.completions.create(prompt="x", extra_body={"structured_outputs": {"regex": REGEX}}, **kw), stream
         )
         assert all(re.fullmatch(REGEX, t) for t, _ in got)
+        got = _texts(
+            c.completions.create(prompt="x", extra_body={"structured_outputs": {"choice": CHOICES}}, **kw), stream
+        )
+        assert all(t in CHOICES and why == "stop" for t, why in got)
         named = {"type": "function", "function": {"name": "weather"}}
         for call in _calls(c.chat.completions.create(messages=chat, tools=TOOLS, tool_choice=named, **kw), stream):
             assert call["name"] == "weather" and call["id"].startswith("call_")
@@ -258,8 +265,8 @@ def test_openai_client_gets_valid_structured_outputs_and_tool_calls(srv):
         for call in _calls(resp, stream):
             assert call["name"] in ("weather", "noop")
             _validate(call["arguments"], weather if call["name"] == "weather" else {"type": "object"})
-        checked += 4
-    assert checked == 52
+        checked += 5
+    assert checked == 250
     assert srv.engine.compiles.total("serving") == 0
 
 
