@@ -35,23 +35,17 @@ class HostRow:
     consumed: int = 0
     stuck: bool = False
 
-    def advance(self, tokens: list[int], eos_id: int) -> np.ndarray | None:
-        """Feed ``tokens``; the [V] allowed tokens next, or None when none is (or the matcher failed).
-        An EOS in an accepting state is not fed (``ignore_eos`` samples it again: the mask stays)."""
+    def feed(self, tokens: list[int], eos_id: int) -> list[Write]:
+        """Feed ``tokens``: the write of the next mask (none when no token is allowed or the matcher
+        failed: ``stuck``). An EOS in an accepting state is not fed (``ignore_eos`` samples it
+        again: the mask stays)."""
+        if not tokens:
+            return []
         for t in tokens:
             if not (t == eos_id and self.matcher.is_accepting()):
                 self.matcher.consume_token(t)
-        if self.matcher.is_error():
-            return None
-        allowed = self.grammar.allowed(self.matcher)
-        return allowed if allowed.any() else None
-
-    def feed(self, tokens: list[int], eos_id: int) -> list[Write]:
-        """Feed ``tokens``: the write of the next mask (none when no token is allowed: ``stuck``)."""
-        if not tokens:
-            return []
-        allowed = self.advance(tokens, eos_id)
-        if allowed is None:
+        allowed = None if self.matcher.is_error() else self.grammar.allowed(self.matcher)
+        if allowed is None or not allowed.any():
             self.stuck = True
             return []
         self.current = 1 - self.current

@@ -255,14 +255,13 @@ class DevicePrograms:
         _, last = np.unique(where[::-1], return_index=True)  # each row's last write
         keep = np.sort(len(where) - 1 - last)
         rows, where = rows[keep], where[keep]
-        shape = grammar_tiles_shape(GRAMMAR_BLOCK, V)
         for at in range(0, len(rows), GRAMMAR_BLOCK):
             piece = rows[at : at + GRAMMAR_BLOCK]
-            block = np.full((GRAMMAR_BLOCK, shape[1] * shape[2]), -1, GRAMMAR_DTYPE)  # the tiled layout, flat
-            block[: len(piece), :V] = piece
+            block = np.full((GRAMMAR_BLOCK, V), -1, GRAMMAR_DTYPE)
+            block[: len(piece)] = piece
             index = np.full((GRAMMAR_BLOCK,), R, np.int32)  # R: past the end, dropped
             index[: len(piece)] = where[at : at + GRAMMAR_BLOCK]
-            self.grammar = self.executables[("grammar", self.D)](self.grammar, index, block.reshape(shape))
+            self.grammar = self.executables[("grammar", self.D)](self.grammar, index, grammar_tiles(block))
 
     def move(self, moves: dict[int, tuple[int, int]]) -> None:
         """Per device d, copy local slot moves[d][0] into moves[d][1]."""
