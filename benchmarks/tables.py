@@ -863,6 +863,33 @@ def _plan_memory(r: dict, concurrent: dict) -> list[str]:
     return _grid(["XLA:CPU scheduler", "arguments", "temporaries", "total"], rows)
 
 
+def _plan_tpu(r: dict) -> list[str]:
+    m, run, seed = r["tpu"]["memory"], r["tpu_run"], r["seed"]
+    mesh = " x ".join(f"{k} {v}" for k, v in r["mesh"].items())
+    wire = sum(r["wire_bytes_per_device"].values())
+    row = [
+        r["topology"],
+        mesh,
+        f"{m['total'] / GiB:.2f} GiB of {m['hbm'] / GiB:.0f} GiB",
+        f"{wire / 1e9:.2f} GB",
+        f"{run['step_s']:.2f} s",
+        f"{run['tokens_per_s']:,.0f}",
+        f"{run['tokens_per_s_per_chip']:,.0f} ({run['tokens_per_s_per_chip'] / seed['tokens_per_s_per_chip']:.2f}x)",
+        f"{100 * run['mfu']:.1f}%",
+    ]
+    head = [
+        "topology",
+        "mesh",
+        "memory per chip",
+        "collectives on the wire per chip",
+        "step (compiler estimate)",
+        "tokens/s",
+        "per chip (x the original team's, measured)",
+        "MFU",
+    ]
+    return _grid(head, [row])
+
+
 PLAN_ROWS = (  # label, collective, JAX source (None: every source), whether the wire bytes are quoted
     ("all-to-all: Muon (shard_map, bf16 payload)", "all-to-all", None, True),
     ("all-gather: weights in bf16 (`gathered`, forward and rematerialised backward)", "all-gather", "weights", False),
@@ -1287,6 +1314,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "plan_memory": (("plan_3b.json", "plan_3b_concurrent_schedule.json"), _plan_memory),
     "plan_collectives": (("plan_3b.json",), _plan_collectives),
     "plan_cost": (("plan_3b.json",), _plan_cost),
+    "plan_3b_32k_tpu": (("plan_3b_32k_tpu.json",), _plan_tpu),
     "recall_1x": (("recall_mqar_1x.json",), _recall_grid),
     "recall_4x": (("recall_mqar_4x.json",), _recall_grid),
     "recall_1x_context4": (("recall_mqar_1x_1k_context4.json",), _recall_grid),
