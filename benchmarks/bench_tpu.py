@@ -15,8 +15,9 @@ compiler's estimate, not a measurement):
 - prefill:  3B ``prefill`` of one prompt of 128, 512 and 2048 tokens on one v5p chip: tokens/s
             against the FLOP limit;
 - train:    ``configs/gla_340m.py`` at 16 x 2048 tokens, bf16, on v5e:2x2, and ``configs/3b.py``
-            (Muon, FSDP over 16 chips) on v5p:2x2x4, each with the default kernel (XLA on TPU)
-            and with ``model.attn_impl=mosaic``: step time, tokens/s, MFU, memory per chip;
+            (Muon, FSDP over 16 chips) on v5p:2x2x4, each with the default kernel (``auto``: the
+            Pallas TPU kernels on TPU) and with ``model.attn_impl=mosaic``: step time, tokens/s,
+            MFU, memory per chip;
 - calibration (``--only calibration``): an 8192^3 bf16 matmul and a 1 GiB-in, 1 GiB-out fp32
             elementwise op on v5e and v5p, as shares of the chip's published peak and bandwidth,
             and the same matmul as a Pallas TPU kernel, timed as Mosaic kernels are;

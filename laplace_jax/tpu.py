@@ -216,8 +216,8 @@ def mosaic_call(module: Module, comp: str, ins: Any) -> dict[str, Any] | None:
         (dtype, (B, D)), (W, _) = operands[-3], operands[-1][1]
         shape = (B, W, D, int(len(operands) == 4))
         return {"kernel": kernel, "shape": shape, "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
-    q, v = (operands[1], operands[3]) if kernel == MOSAIC_KERNELS[0] else (operands[2], operands[4])
-    starts = arrays(ins.type)[1] if kernel == MOSAIC_KERNELS[0] else operands[7]
+    q, v = operands[0], operands[2]  # (q, k, v, g, ...): the forward's chunk-start states are its second result
+    starts = arrays(ins.type)[1] if kernel == MOSAIC_KERNELS[0] else operands[5]
     B, H, T, K = q[1]
     return {"kernel": kernel, "units": B * H, "T": T, "C": T // starts[1][2], "K": K, "V": v[1][-1],
             "dtype": _DTYPES.get(q[0], q[0]), "bytes": moved}  # fmt: skip

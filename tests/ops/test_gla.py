@@ -146,6 +146,41 @@ def test_gradients_exact_at_every_decay(decay, kernel):
     assert np.max(err / np.abs(ts[3].grad.numpy()).max(axis=(0, 1))) <= SWEEP_PER_ELEMENT
 
 
+@pytest.mark.parametrize("C", [16, 128])
+def test_mosaic_doubling_sums_are_the_level_sums_and_their_transpose(C):
+    """The Mosaic kernels' decay sums (``block_sums``, rolls on the vector unit) against float64
+    products with the 0/1 level matrices of ``levels.py`` (an independent construction), and their
+    transpose (the gate gradient's sums) likewise: within L fp32 roundings of each same-sign sum
+    (decays -0.01 to -16 per token), within 4 L roundings of the absolute terms for mixed signs."""
+    from jax.experimental import pallas as pl
+
+    from laplace_jax.ops.gla.levels import level_matrices
+    from laplace_jax.ops.gla.mosaic import block_sums, block_sums_T
+
+    L, D, u = C.bit_length() - 1, 128, 2.0**-24
+    rng = np.random.default_rng(C)
+    g = -np.exp(rng.uniform(np.log(0.01), np.log(16.0), (C, D))).astype(np.float32)
+    y = rng.normal(size=(L + 2, C, D)).astype(np.float32)
+
+    def kernel(g_ref, y_ref, sums_ref, tot_ref, t_ref):
+        sides, incl, rev, tot = block_sums(g_ref[...])
+        for i, x in enumerate([*sides, incl, rev]):
+            sums_ref[i] = x
+        tot_ref[...] = tot
+        t_ref[...] = block_sums_T([y_ref[i] for i in range(L)], y_ref[L], y_ref[L + 1])
+
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((L + 2, C, D), (C, D), (C, D))]
+    sums, tot, t = pl.pallas_call(kernel, out_shape=shapes, interpret=True)(g, y)
+    m = level_matrices(C)
+    M = np.concatenate([m["sides"].reshape(-1, C), m["incl"], m["rev_excl"]]).astype(np.float64)
+    ref = (M @ g.astype(np.float64)).reshape(L + 2, C, D)
+    assert np.all(np.abs(sums - ref) <= L * u * np.abs(ref) + 1e-30)
+    assert np.all(np.abs(tot - ref[L, -1]) <= L * u * np.abs(ref[L, -1]))  # every row: the chunk's total
+    y64 = y.reshape(-1, D).astype(np.float64)
+    ref_t, bound = M.T @ y64, 4 * L * u * (M.T @ np.abs(y64))
+    assert np.all(np.abs(t - ref_t) <= bound)
+
+
 def test_autodiff_saves_only_inputs_chunk_states_and_scores():
     """What jax.grad keeps between forward and backward: the inputs, the [N, B, H, K, V] chunk
     states and the [N, B, H, C, C] scores, nothing per sub-block or per diagonal."""

@@ -31,12 +31,16 @@ pair of level m is one entry of X_m X_m^T, so
 L full [C, C] matmuls of [C, D] operands and an iota mask per level: no 16-row tiles, no
 per-pair exps.
 
-Exact sums on the matrix unit. sides_m for every m, the chunk's inclusive sum b_r and its reverse
-exclusive sum (for the state) are one product M g with M a fixed [(L + 2) C, C] 0/1 matrix. g is
-split into three bf16 pieces (bit truncation: hi = g with the low 16 bits cleared, mid the same of
-g - hi, lo = g - hi - mid; their sum is g exactly), and M (bf16, exact) meets each piece in one
-bf16 pass with fp32 accumulation. Each selected term is then added as it is: a direct sum, half
-the passes of HIGHEST's fp32 emulation.
+Sums on the vector unit, by doubling (``block_sums``). sides_m for every m, the chunk's inclusive
+sum b_r and its reverse exclusive sum (for the state) come from L steps over the [C, K] decays:
+step j knows each aligned block of 2^j rows' total and each row's sums within its block, and the
+totals of a block's two halves give the next block size's (a roll by 1, 2 or 4 rows inside a
+vreg's 8 rows, then whole-vreg halves, which move no data). Every value is a sum of whole blocks'
+sums of same-sign terms, never a difference: each carries a relative error of at most L fp32
+roundings (L u, u = 2^-24), at any decay. (These sums were a product M g with a fixed
+[(L + 2) C, C] 0/1 matrix on the MXU, in three exact bf16 pieces of g: 3 (L + 2) C rows of MXU
+passes per chunk, more than the scores. By the compiler's static schedule the doubling takes a
+v5e grid step at the 3B layer from 1,872 to 1,200 cycles forward and 4,449 to 2,732 backward.)
 
 Backward (chunks in reverse, dS the gradient on the chunk's end state in a VMEM scratch). With
 dA = tril(do v^T), the state path as in ``chunk.py``; the levels:
@@ -45,13 +49,15 @@ dA = tril(do v^T), the state path as in ``chunk.py``; the levels:
     dq += dX_m * e^{sides_m} on rows with bit m set, dk += the same on rows with it clear,
     d sides_m = dX_m * X_m
 
-and the gate gradient is one exact product with the forward's matrix transposed,
+and the gate gradient is the transpose of the forward's sums (``block_sums_T``),
 
-    dg = M^T [d sides_0; ...; d sides_{L-1}; q dq_state; k dk_state] + e^{b_C} rowsum(S * dS),
+    dg = sum_m sides_m^T d sides_m + incl^T (q dq_state) + rev^T (k dk_state) + e^{b_C} rowsum(S * dS),
 
-so dg_t sums exactly the pairs whose decay contains g_t (the pair-sum argument of ``chunk.py``):
-nothing is a difference of large sums, at any decay. Scores are recomputed, not stored: L
-matmuls per chunk against an fp32 [C, C] write and read.
+within-block suffix and prefix sums of fp32 terms, all levels in one doubling pass (Horner's
+rule), so dg_t sums the pairs whose decay contains g_t (the pair-sum argument of ``chunk.py``):
+nothing is a difference of large sums, at any decay; each output adds its terms in O(L) fp32
+additions (the tests hold it within 4 L roundings of the sum of the terms' magnitudes). Scores
+are recomputed, not stored: L matmuls per chunk against an fp32 [C, C] write and read.
 
 Three libtpu 0.0.42 workarounds, each checked on the compiler: a bf16 operand computed in the
 kernel must contract over a multiple of 128 (96 aborts in LLO: hence the widening, and chunks of
@@ -71,45 +77,102 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from laplace_jax.ops.gla.levels import level_matrices
 from laplace_jax.ops.gla.limits import MOSAIC_KERNELS, chunk_size_problem
 from laplace_jax.platform import per_platform, refused_when_lowered
 
 Array = jax.Array
-f32, bf16 = jnp.float32, jnp.bfloat16
+f32 = jnp.float32
 NT = (((1,), (1,)), ((), ()))  # a @ b^T: contract the minor dims of both
 TN = (((0,), (0,)), ((), ()))  # a^T @ b: contract the major dims of both
 
 
-@functools.cache
-def sum_matrix(C: int) -> np.ndarray:
-    """[(L + 2) C, C] 0/1: rows l C .. (l + 1) C - 1 give sides of level l (coarsest first, half
-    size 2^(L - 1 - l)), then the inclusive and the reverse exclusive sums over the chunk."""
-    m = level_matrices(C)
-    return np.concatenate([m["sides"].reshape(-1, C), m["incl"], m["rev_excl"]], 0)
+def _shift(x: Array, by: int) -> Array:
+    """Rows of ``x`` moved down by ``by`` (wrapping): row r of the result is row r - by."""
+    return pltpu.roll(x, by % x.shape[0], 0)
 
 
-def _split(x: Array) -> tuple[Array, Array, Array]:
-    """fp32 -> three bf16 arrays summing exactly to x (the low 16 bits cleared, twice)."""
-
-    def top(y):
-        bits = jax.lax.bitcast_convert_type(y, jnp.uint32) & jnp.uint32(0xFFFF0000)
-        return jax.lax.bitcast_convert_type(bits, f32)
-
-    hi = top(x)
-    rest = x - hi
-    mid = top(rest)
-    return hi.astype(bf16), mid.astype(bf16), (rest - mid).astype(bf16)
+def _upper(C: int, j: int) -> Array:
+    """[C, 1]: rows with bit j set (the upper half of their block of 2^(j + 1) rows)."""
+    return ((jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0) >> j) & 1) == 1
 
 
-def exact_sums(m: Array, x: Array) -> Array:
-    """m [R, C] (0/1, bf16) @ x [C, D] (fp32): every selected term added as it is (fp32)."""
-    return sum(jnp.dot(m, piece, preferred_element_type=f32) for piece in _split(x))
+def _halves(x: Array, h: int) -> tuple[Array, Array]:
+    """[C, D] -> the lower and upper halves of every block of 2h rows, each [C / 2h, h, D] (h a
+    multiple of 8: whole vregs, so no data moves)."""
+    y = x.reshape(x.shape[0] // (2 * h), 2, h, x.shape[1])
+    return y[:, 0], y[:, 1]
+
+
+def _join(lower: Array, upper: Array) -> Array:
+    """Inverse of ``_halves``."""
+    y = jnp.stack([lower, upper], 1)
+    return y.reshape(-1, y.shape[-1])
+
+
+def block_sums(g: Array) -> tuple[list[Array], Array, Array, Array]:
+    """g [C, D] fp32 -> (sides per level, coarsest first; inclusive sums from the chunk start;
+    reverse exclusive sums to its end; the chunk's total on every row), by doubling on the vector
+    unit: after step j, ``tot`` holds each block of 2^(j + 1) rows' total, ``incl`` (``rev``) the
+    sum from a row's block start to it (after it to the block end). Each is a sum of whole
+    blocks' sums, never a difference."""
+    C = g.shape[0]
+    tot, incl, rev, sides = g, g, jnp.zeros_like(g), []
+    for j in range(C.bit_length() - 1):
+        h = 1 << j
+        if h % 8:  # halves inside a vreg's 8 rows: rolls and selects
+            up = _upper(C, j)
+            sides.append(jnp.where(up, incl, rev))
+            below, above = _shift(tot, h), _shift(tot, C - h)
+            incl = incl + jnp.where(up, below, 0.0)
+            rev = rev + jnp.where(up, 0.0, above)
+            tot = tot + jnp.where(up, below, above)
+            continue
+        (t_lo, t_hi), (i_lo, i_hi), (r_lo, r_hi) = (_halves(x, h) for x in (tot, incl, rev))
+        sides.append(_join(r_lo, i_hi))
+        t = t_lo + t_hi
+        incl, rev, tot = _join(i_lo, i_hi + t_lo), _join(r_lo + t_hi, r_hi), _join(t, t)
+    return sides[::-1], incl, rev, tot
+
+
+def block_sums_T(ys: list[Array], y_incl: Array, y_rev: Array) -> Array:
+    """The transpose of ``block_sums``: sum_l sides_l^T ys[l] + incl^T y_incl + rev^T y_rev, each
+    [C, D] fp32. Level j's sides^T is a within-block suffix sum (rows with bit j set) or prefix
+    sum (rows with it clear) over the levels below j; the levels' sums share one pass by Horner's
+    rule on the block doublings (they act on different bits, so they commute)."""
+    C = y_incl.shape[0]
+    L = C.bit_length() - 1
+    a, c = [], []  # a_j summed from a row on (rows with bit j set), c_j before it (bit j clear)
+    for j, y in enumerate(ys[::-1]):
+        if (1 << j) % 8:
+            a.append(jnp.where(_upper(C, j), y, 0.0))
+            c.append(jnp.where(_upper(C, j), 0.0, y))
+        else:
+            lo, hi = _halves(y, 1 << j)
+            a.append(_join(jnp.zeros_like(hi), hi))
+            c.append(_join(lo, jnp.zeros_like(lo)))
+    a.append(y_incl)
+    c.append(y_rev)
+    out, above, below = sum(a), a[L], c[L]  # above, below: the sums of a_j, c_j for j > i
+    acc = None
+    for i in range(L - 1, -1, -1):
+        h = 1 << i
+        if h % 8:
+            up = _upper(C, i)
+            z = jnp.where(up, _shift(below, h), _shift(above, C - h))
+            if acc is not None:
+                z = z + acc + jnp.where(up, _shift(acc, h), _shift(acc, C - h))
+        else:
+            z = _join(_halves(above, h)[1], _halves(below, h)[0])
+            if acc is not None:
+                lo, hi = _halves(acc, h)
+                both = lo + hi
+                z = z + _join(both, both)
+        acc, above, below = z, above + a[i], below + c[i]
+    return out + acc
 
 
 def lanes(d: int) -> int:
@@ -136,7 +199,7 @@ def _wide(ref, scratch) -> Array:
 class _Chunk:
     """One chunk's decays and per-level operands, from its rows q, k [C, K], g [C, K] fp32."""
 
-    def __init__(self, m: Array, q: Array, k: Array, g: Array):
+    def __init__(self, q: Array, k: Array, g: Array):
         C = q.shape[0]
         self.L = C.bit_length() - 1
         self.C = C
@@ -145,11 +208,11 @@ class _Chunk:
         self.rows = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
         self.q, self.k = q, k
         self.qf, self.kf = q.astype(f32), k.astype(f32)
-        sums = exact_sums(m, g)
-        self.e_levels = [jnp.exp(sums[l * C : (l + 1) * C]) for l in range(self.L)]
-        self.e_b = jnp.exp(sums[self.L * C : (self.L + 1) * C])  # e^{b_r}: from the chunk start
-        self.e_tail = jnp.exp(sums[(self.L + 1) * C :])  # e^{b_C - b_r}: to the chunk end
-        self.e_tot = self.e_b[C - 1 : C, :]  # [1, K]: the whole chunk
+        sides, incl, rev, tot = block_sums(g)
+        self.e_levels = [jnp.exp(x) for x in sides]
+        self.e_b = jnp.exp(incl)  # e^{b_r}: from the chunk start
+        self.e_tail = jnp.exp(rev)  # e^{b_C - b_r}: to the chunk end
+        self.e_tot = jnp.exp(tot[:1])  # [1, K]: the whole chunk
 
     def upper(self, l: int) -> Array:
         """[C, 1]: rows in an upper half at level l (bit L - 1 - l set)."""
@@ -174,7 +237,7 @@ class _Chunk:
         return scale * A
 
 
-def _fwd_kernel(m_ref, q_ref, k_ref, v_ref, g_ref, s0_ref, o_ref, starts_ref, sT_ref, S_ref, *wide, scale):
+def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, s0_ref, o_ref, starts_ref, sT_ref, S_ref, *wide, scale):
     c = pl.program_id(2)
     K, V = s0_ref.shape
 
@@ -187,7 +250,7 @@ def _fwd_kernel(m_ref, q_ref, k_ref, v_ref, g_ref, s0_ref, o_ref, starts_ref, sT
     starts_ref[...] = S[:K, :V]
     q, k, v, g = (_wide(ref, w) for ref, w in zip((q_ref, k_ref, v_ref, g_ref), wide, strict=True))
     dt = v.dtype
-    ch = _Chunk(m_ref[...], q, k, g)
+    ch = _Chunk(q, k, g)
     A = ch.scores([ch.X(l) for l in range(ch.L)], scale)
     o = jnp.dot(A.astype(dt), v, preferred_element_type=f32)
     o = o + jnp.dot((ch.qf * (scale * ch.e_b)).astype(dt), S.astype(dt), preferred_element_type=f32)
@@ -201,7 +264,7 @@ def _fwd_kernel(m_ref, q_ref, k_ref, v_ref, g_ref, s0_ref, o_ref, starts_ref, sT
         sT_ref[...] = S_next[:K, :V]
 
 
-def _bwd_kernel(m_ref, mt_ref, q_ref, k_ref, v_ref, g_ref, do_ref, S_in, dsT_ref, *refs, scale):
+def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, S_in, dsT_ref, *refs, scale):
     dq_ref, dk_ref, dv_ref, dg_ref, ds0_ref, dS_ref, S_ref, *wide = refs
     i = pl.program_id(2)
     K, V = dsT_ref.shape
@@ -216,7 +279,7 @@ def _bwd_kernel(m_ref, mt_ref, q_ref, k_ref, v_ref, g_ref, do_ref, S_in, dsT_ref
     refs = (q_ref, k_ref, v_ref, g_ref, do_ref)
     q, k, v, g, do = (_wide(ref, w) for ref, w in zip(refs, wide, strict=True))
     dt = v.dtype
-    ch = _Chunk(m_ref[...], q, k, g)
+    ch = _Chunk(q, k, g)
     qf, kf = ch.qf, ch.kf
     Xs = [ch.X(l) for l in range(ch.L)]
     A = ch.scores(Xs, scale)
@@ -244,8 +307,7 @@ def _bwd_kernel(m_ref, mt_ref, q_ref, k_ref, v_ref, g_ref, do_ref, S_in, dsT_ref
         dq, dk = dq + jnp.where(up, dy, 0.0), dk + jnp.where(up, 0.0, dy)
         terms.append(dX * X)
     # the gate: level pairs, then the state's (r in the chunk, s before it; s in the chunk, r after it)
-    terms += [qf * dq_state, kf * dk_state]
-    dg = exact_sums(mt_ref[...], jnp.concatenate(terms, 0))
+    dg = block_sums_T(terms, qf * dq_state, kf * dk_state)
     dg = dg + ch.e_tot * jnp.transpose(jnp.sum(S * dS, axis=1, keepdims=True))
     d = scale * jnp.sum(jnp.where(ch.r == ch.s, dA, 0.0), axis=1, keepdims=True)  # the diagonal pairs
     dq_ref[...] = (dq + d * kf)[:, :K].astype(dq_ref.dtype)
@@ -256,16 +318,6 @@ def _bwd_kernel(m_ref, mt_ref, q_ref, k_ref, v_ref, g_ref, do_ref, S_in, dsT_ref
     @pl.when(i == pl.num_programs(2) - 1)
     def _():
         ds0_ref[...] = dS_prev[:K, :V]
-
-
-def _consts(C: int) -> tuple[Array, Array]:
-    m = sum_matrix(C)
-    return jnp.asarray(m, bf16), jnp.asarray(np.ascontiguousarray(m.T), bf16)
-
-
-def _whole(a: Array | jax.ShapeDtypeStruct) -> pl.BlockSpec:
-    """The whole array, the same block at every step (fetched once)."""
-    return pl.BlockSpec(a.shape, lambda *_: (0,) * len(a.shape))
 
 
 def _params() -> pltpu.CompilerParams:
@@ -282,13 +334,12 @@ def _forward(q, k, v, g, s0, scale: float, C: int, interpret: bool):
     """[B, H, T, D] -> (o, chunk-start states [B, H, N, K, V], final state)."""
     B, H, T, K = q.shape
     V, N = v.shape[-1], T // C
-    m, _ = _consts(C)
     rows = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, c: (b, h, c, 0))  # noqa: E731
     state = pl.BlockSpec((None, None, K, V), lambda b, h, c: (b, h, 0, 0))
     return pl.pallas_call(
         functools.partial(_fwd_kernel, scale=scale),
         grid=(B, H, N),
-        in_specs=[_whole(m), rows(K), rows(K), rows(V), rows(K), state],
+        in_specs=[rows(K), rows(K), rows(V), rows(K), state],
         out_specs=[rows(V), pl.BlockSpec((None, None, None, K, V), lambda b, h, c: (b, h, c, 0, 0)), state],
         out_shape=[
             jax.ShapeDtypeStruct(v.shape, v.dtype),
@@ -299,14 +350,13 @@ def _forward(q, k, v, g, s0, scale: float, C: int, interpret: bool):
         compiler_params=_params(),
         interpret=interpret,
         name=MOSAIC_KERNELS[0],
-    )(m, q, k, v, g, s0)
+    )(q, k, v, g, s0)
 
 
 def _backward(q, k, v, g, do, starts, dsT, scale: float, C: int, interpret: bool):
     """(dq, dk, dv, dg, d initial state), chunks walked from the last."""
     B, H, T, K = q.shape
     V, N = v.shape[-1], T // C
-    m, mt = _consts(C)
     rows = lambda d: pl.BlockSpec((None, None, C, d), lambda b, h, i: (b, h, N - 1 - i, 0))  # noqa: E731
     state = pl.BlockSpec((None, None, K, V), lambda b, h, i: (b, h, 0, 0))
     start = pl.BlockSpec((None, None, None, K, V), lambda b, h, i: (b, h, N - 1 - i, 0, 0))
@@ -314,7 +364,7 @@ def _backward(q, k, v, g, do, starts, dsT, scale: float, C: int, interpret: bool
     return pl.pallas_call(
         functools.partial(_bwd_kernel, scale=scale),
         grid=(B, H, N),
-        in_specs=[_whole(m), _whole(mt), rows(K), rows(K), rows(V), rows(K), rows(V), start, state],
+        in_specs=[rows(K), rows(K), rows(V), rows(K), rows(V), start, state],
         out_specs=[rows(K), rows(K), rows(V), rows(K), state],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, g)]
         + [jax.ShapeDtypeStruct((B, H, K, V), f32)],
@@ -322,7 +372,7 @@ def _backward(q, k, v, g, do, starts, dsT, scale: float, C: int, interpret: bool
         compiler_params=_params(),
         interpret=interpret,
         name=MOSAIC_KERNELS[1],
-    )(m, mt, q, k, v, g, do, starts, dsT)
+    )(q, k, v, g, do, starts, dsT)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
