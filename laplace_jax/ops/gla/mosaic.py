@@ -148,8 +148,9 @@ def block_sums_T(ys: list[Array], y_incl: Array, y_rev: Array) -> Array:
     a, c = [], []  # a_j summed from a row on (rows with bit j set), c_j before it (bit j clear)
     for j, y in enumerate(ys[::-1]):
         if (1 << j) % 8:
-            a.append(jnp.where(_upper(C, j), y, 0.0))
-            c.append(jnp.where(_upper(C, j), 0.0, y))
+            up = _upper(C, j)
+            a.append(jnp.where(up, y, 0.0))
+            c.append(jnp.where(up, 0.0, y))
         else:
             lo, hi = _halves(y, 1 << j)
             a.append(_join(jnp.zeros_like(hi), hi))
