@@ -23,8 +23,8 @@ A step whose live rows all wait on the host runs a decode call of one step, not
 ``steps_per_call`` (the call's later steps skip the model); a step with other rows too runs two
 calls, one step and then ``steps_per_call``: the host's next masks (``early_masks``) are computed
 from the first call's tokens while the device runs the second, so the host rows still sample
-once per step and the device does not wait for their masks. A host grammar that allows no token ends its request with an
-error, never an unconstrained sample.
+once per step and the device does not wait for their masks. A host grammar that allows no token
+ends its request with an error, never an unconstrained sample.
 """
 
 from __future__ import annotations

@@ -206,7 +206,6 @@ class _Chunk:
         self.C = C
         self.r = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
         self.s = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
-        self.rows = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
         self.q, self.k = q, k
         self.qf, self.kf = q.astype(f32), k.astype(f32)
         sides, incl, rev, tot = block_sums(g)
@@ -217,7 +216,7 @@ class _Chunk:
 
     def upper(self, l: int) -> Array:
         """[C, 1]: rows in an upper half at level l (bit L - 1 - l set)."""
-        return ((self.rows >> (self.L - 1 - l)) & 1) == 1
+        return _upper(self.C, self.L - 1 - l)
 
     def pairs(self, l: int, transposed: bool = False) -> Array:
         """[C, C]: pairs (r, s), s < r, of level l (or their transpose: s > r)."""
