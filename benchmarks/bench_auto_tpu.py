@@ -65,14 +65,14 @@ def kernel_rows() -> list[dict[str, Any]]:
 
 def decode_rows() -> list[dict[str, Any]]:
     from laplace_jax.config import load_run_config
-    from laplace_jax.tools.tpu_check import decode_reports
+    from laplace_jax.tools.tpu_check import WEIGHT_FORMS, decode_reports
     from laplace_jax.tpu import tpu_devices
 
     chip, devices = tpu_devices("v5p:1x1x1")
     rows = []
     for impl in IMPLS:
         config = _with_impl(load_run_config("configs/3b.py"), impl, {})
-        rep = decode_reports(chip, devices, config, 256)[0]  # bf16 weights as plain arrays
+        (rep,) = decode_reports(chip, devices, config, 256, WEIGHT_FORMS[:1])  # bf16 weights as initialised
         rows.append(_row(rep, impl, floor_share=1 / rep["estimate_over_limit"]))
     return rows
 

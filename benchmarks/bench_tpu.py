@@ -146,7 +146,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     jax.config.update("jax_num_cpu_devices", 16)  # Muon's traffic report for the 16-chip plan
     from laplace_jax.config import load_run_config
-    from laplace_jax.tools.tpu_check import SHAPES, decode_reports, kernel_reports, prefill_reports, serve_reports
+    from laplace_jax.tools.tpu_check import (
+        SHAPES,
+        WEIGHT_FORMS,
+        decode_reports,
+        kernel_reports,
+        prefill_reports,
+        serve_reports,
+    )
     from laplace_jax.tpu import tpu_devices
 
     only = set(a.only.split(","))
@@ -167,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for overrides in ({}, {"model": {"attn_impl": "mosaic"}}):  # the config's XLA steps, then the Mosaic ones
             config_3b = _override(load_run_config("configs/3b.py"), overrides)
             suffix = ", model.attn_impl=mosaic" if overrides else ""
-            reps = decode_reports(chip, devices, config_3b, 256)[: 1 if overrides else 2]  # packed: once
+            forms = WEIGHT_FORMS[:1] if overrides else WEIGHT_FORMS  # packed and per-layer: once
+            reps = decode_reports(chip, devices, config_3b, 256, forms)
             res["rows"]["decode"] += [dict(_headline(r, a.top, a.full), program=r["program"] + suffix) for r in reps]
             serve = serve_reports(chip, devices, config_3b, 256, ["256"], 512, SERVE_STEPS, programs=("decode",))
             (rep,) = [r for r in serve if r["program"] == "decode W=256"]
@@ -177,7 +185,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             res["rows"]["decode"].append(row)
     if "prefill" in only:
         chip, devices = tpu_devices("v5p:1x1x1")
-        reps = prefill_reports(chip, devices, load_run_config("configs/3b.py"), list(PREFILL_LENGTHS))
+        config_3b = load_run_config("configs/3b.py")
+        reps = [
+            rep
+            for form in (WEIGHT_FORMS[0], WEIGHT_FORMS[2])  # as initialised; serving's TPU form
+            for rep in prefill_reports(chip, devices, config_3b, list(PREFILL_LENGTHS), form)
+        ]
         res["rows"]["prefill"] = [
             dict(_headline(r, a.top, a.full), tokens=r["tokens"], tokens_per_s=r["tokens_per_s"]) for r in reps
         ]

@@ -149,6 +149,18 @@ def _running_on(args) -> str | None:
     return "rocm" if "rocm" in getattr(device.client, "platform_version", "").lower() else "cuda"
 
 
+def tensor_cores(x: jax.Array) -> int | None:
+    """TensorCores per chip of the TPU a traced array's program is compiled for: from the device
+    its sharding names (a deviceless compile from a CPU host names its TPU devices there), else
+    from this host's TPU; None where neither says (not a TPU, or not known until lowering)."""
+    device = getattr(getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None), "abstract_device", None)
+    if device is not None:
+        return device.num_cores if device.platform == "tpu" else None
+    if jax.default_backend() == "tpu":
+        return getattr(jax.devices()[0], "num_cores", None)
+    return None
+
+
 @contextlib.contextmanager
 def only_for(platform_name: str) -> Iterator[None]:
     """Trace programs that will only ever compile for ``platform_name``: ``per_platform`` calls its

@@ -38,7 +38,13 @@ from typing import Any
 
 from laplace_jax.errors import UserError
 from laplace_jax.hlo_stats import Module, arrays, gla_kernels, loops, memory_report, shape_bytes
-from laplace_jax.ops.gla.limits import MOSAIC_CONV_KERNEL, MOSAIC_DECODE_KERNELS, MOSAIC_KERNELS, MOSAIC_STEP_KERNEL
+from laplace_jax.ops.gla.limits import (
+    MOSAIC_CONV_KERNEL,
+    MOSAIC_DECODE_KERNELS,
+    MOSAIC_KERNELS,
+    MOSAIC_MATMUL_KERNEL,
+    MOSAIC_STEP_KERNEL,
+)
 
 LABEL = "TPU compiler estimate (its cost model's estimated_cycles), not a measurement"
 MOSAIC_LABEL = (
@@ -199,7 +205,8 @@ _DTYPES = {"bf16": "bfloat16", "f32": "float32", "f16": "float16"}
 def mosaic_call(module: Module, comp: str, ins: Any) -> dict[str, Any] | None:
     """The sizes of a call of this project's Mosaic kernels (the GLA chunk kernels of
     ``ops/gla/mosaic.py``; the decode steps of ``ops/gla/mosaic_step.py`` and
-    ``ops/conv/mosaic_step.py``, whose ``shape`` is what ``tools/mosaic_profile`` rebuilds them
+    ``ops/conv/mosaic_step.py`` and the few-row products of ``ops/matmul/mosaic.py``, whose
+    ``shape`` is what ``tools/mosaic_profile`` rebuilds them
     from), read from the compiled call and its operands, or None for any other instruction."""
     if ins.opcode != "custom-call" or "tpu_custom_call" not in ins.rest:
         return None
@@ -212,6 +219,10 @@ def mosaic_call(module: Module, comp: str, ins: Any) -> dict[str, Any] | None:
     if kernel == MOSAIC_STEP_KERNEL:  # q, k, g [H, K, B], v [H, V, B], state [H, K, V, B]
         (H, K, B), (dtype, (_, V, _)) = operands[0][1], operands[3]
         return {"kernel": kernel, "shape": (B, H, K, V), "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
+    if kernel == MOSAIC_MATMUL_KERNEL:  # x [M, I], w [I, O] -> [M, O]: the shape says whether out is fp32
+        (dtype, (M, I)), (_, (_, O)) = operands
+        shape = (M, I, O, int(arrays(ins.type)[0][0] == "f32"))
+        return {"kernel": kernel, "shape": shape, "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
     if kernel == MOSAIC_CONV_KERNEL:  # ([live [B, 1],] x [B, D], cache [B, W * D], kernel [W, D])
         (dtype, (B, D)), (W, _) = operands[-3], operands[-1][1]
         shape = (B, W, D, int(len(operands) == 4))

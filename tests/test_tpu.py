@@ -153,9 +153,9 @@ def test_the_tiny_decode_and_serve_programs_report(tmp_path):
 
     config = load_run_config("configs/tiny.py")
     chip, devices = tpu_devices("v5e:2x2")
-    plain, packed = decode_reports(chip, devices, config, 8)
-    assert "bf16 weights" in plain["program"] and "packed" in packed["program"]
-    assert plain["memory"]["aliased"] > 0  # the state is donated
+    plain, packed, per_layer = decode_reports(chip, devices, config, 8)
+    assert "bf16 weights" in plain["program"] and "packed" in packed["program"] and "per-layer" in per_layer["program"]
+    assert plain["memory"]["aliased"] > 0 and per_layer["memory"]["aliased"] > 0  # the state is donated
     reps = serve_reports(chip, devices, config, max_num_seqs=4, buckets="pow2", prefill_chunk=64, steps=2)
     assert [r["program"].split(" ")[0] for r in reps] == ["prefill", "decode", "decode", "decode", "sampler", "sampler"]
     assert all(r["estimate"]["seconds"] > 0 and r["limit"]["seconds"] > 0 for r in reps)
@@ -367,3 +367,40 @@ def test_the_mosaic_decode_step_compiles_in_place_and_is_counted_at_its_dma_floo
     res = run_mosaic_profile("--chip", "v5p", "--kernel", "gla_mosaic_step", "--shape", "256,16,96,192")
     schedule = res["cycles"][0] / (chip.clock_ghz * 1e9)
     assert 0 < schedule < dma_floor(chip, 2 * 256 * 16 * 96 * 192 * 4), schedule
+
+
+@pytest.mark.parametrize("topology, form, matmuls", [("v5p:1x1x1", "per-layer", 8), ("v5p:1x1x1", "stacked", 0),
+                                                      ("v5e:1x1", "per-layer", 0)])  # fmt: skip
+def test_few_row_products_are_the_mosaic_matmul_where_weights_have_their_own_buffers(topology, form, matmuls):
+    """The decode step at 128 rows, two layers of d_model 512, a vocabulary of 256. On v5p (two TensorCores) with each
+    layer's weights in its own buffers (``unstack_weights``, serving's TPU form), every
+    projection whose widths are lane tiles is the Mosaic matmul (per layer q, k, v, g, o, gate,
+    up, down: 8 x 2, and the head), counted (never unestimated), and no weight is copied; with
+    the weights stacked the XLA dots read the slices in place and no matmul kernel runs; on v5e
+    (one core) neither form runs it."""
+    from laplace_jax.config import ModelConfig
+    from laplace_jax.models.gla_lm import abstract_params, decode_step, init_state, unstack_weights
+    from laplace_jax.tools.tpu_check import compile_for_tpu
+
+    chip, devices = tpu_devices(topology)
+    cfg = ModelConfig(vocab_size=256, d_model=512, n_layers=2, n_heads=8, use_short_conv=True, dtype="bfloat16")
+    B = 128
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
+    if form == "per-layer":
+        params = jax.eval_shape(lambda p: unstack_weights(cfg, p), params)
+    state = jax.eval_shape(lambda: init_state(cfg, B))
+    step = lambda p, t, s: decode_step(cfg, p, t, s)  # noqa: E731
+    compiled = compile_for_tpu(step, (params, jax.ShapeDtypeStruct((B,), jnp.int32), state), devices, donate=(2,))
+    est = report(compiled, chip, "decode")["estimate"]
+    found = [m for m in est["mosaic"] if m["kernel"] == "matmul_mosaic_rows"]
+    assert len(found) == (matmuls * cfg.n_layers + 1 if matmuls else 0), [m["shape"] for m in found]
+    assert not any("Mosaic" in k for k in est["unestimated"])
+    if form == "per-layer":  # no weight is rewritten in HBM (S(1): the compiler's prefetches into VMEM)
+        weights = {f"bf16[{','.join(map(str, x.shape[-2:]))}]" for x in jax.tree.leaves(abstract_params(cfg))}
+        text = compiled.as_text()
+        made = re.finditer(r"= \(?(bf16\[[\d,]+\])(\{[^}]*\})? ([a-z-]+)\(", text[text.index("ENTRY") :])
+        written = {m.group(1) for m in made if m.group(3) not in _NOT_WRITTEN and "S(1)" not in (m.group(2) or "")}
+        assert not written & weights, written & weights
+
+
+_NOT_WRITTEN = ("parameter", "bitcast", "get-tuple-element")

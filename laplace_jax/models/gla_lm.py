@@ -28,6 +28,8 @@ tuple for its scan and splits it again: a copy of the state, small beside the pr
 
 from __future__ import annotations
 
+import contextlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -35,7 +37,16 @@ import numpy as np
 
 from laplace_jax.config import REMAT_POLICIES, AttnSpec, ModelConfig
 from laplace_jax.layers.attention import Attention, ring_size
-from laplace_jax.layers.common import TRACES, VERIFY_INPUTS, Embedding, Linear, RMSNorm, SwiGLU, conv_cache
+from laplace_jax.layers.common import (
+    TRACES,
+    VERIFY_INPUTS,
+    Embedding,
+    Linear,
+    RMSNorm,
+    SwiGLU,
+    conv_cache,
+    weights_in_own_buffers,
+)
 from laplace_jax.layers.gla import GatedLinearAttention
 from laplace_jax.models.layout import Group, is_layers_key, layer_groups, locate
 from laplace_jax.ops.gla import gla_replay
@@ -64,6 +75,23 @@ def pack_weights(params: Params) -> Params:
     TPU compiler, a weight-sized temporary and 44% of the 3B decode step's estimate)."""
     to_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x  # noqa: E731
     return {k: jax.tree.map(to_bits, v) if is_layers_key(k) else v for k, v in params.items()}
+
+
+def unstack_weights(cfg: ModelConfig, params: Params) -> Params:
+    """The layer weights with each layer in buffers of its own: every layer group's stacked tree
+    becomes a tuple of per-layer trees (the same bytes; place it once, as serving does on TPU).
+    ``decode_step``, ``verify`` and ``prefill`` take this form and run the layers unrolled, and on
+    a TPU with two TensorCores per chip their few-row products are then the Mosaic matmul kernel
+    (``layers.common.matmul``), which reads each weight in place: a slice of a stack it would
+    first copy out. Training takes the stacked form."""
+    out = dict(params)
+    for group in layer_groups(cfg):
+        out[group.name] = tuple(jax.tree.map(lambda w, r=r: w[r], params[group.name]) for r in range(group.repeats))
+    return out
+
+
+def _is_unstacked(params: Params) -> bool:
+    return any(isinstance(v, tuple) for k, v in params.items() if is_layers_key(k))
 
 
 def _is_packed(params: Params) -> bool:
@@ -311,14 +339,19 @@ def layer_weights(cfg: ModelConfig, params: Params, layer: int) -> Params:
     """One layer's weights (unstacked, as placed: packed bits stay packed)."""
     group, r, j = locate(cfg, layer)
     node = params[group.name]
+    stacked = not isinstance(node, tuple)
+    if not stacked:  # unstack_weights: one tree per repeat
+        node = node[r]
     for key in group.block_path(j):
         node = node[key]
-    return jax.tree.map(lambda w: w[r], node)
+    return jax.tree.map(lambda w: w[r], node) if stacked else node
 
 
 def forward(cfg: ModelConfig, params: Params, tokens_BxT: Array) -> Array:
     """Training / scoring forward pass: logits [B, T, V] float32 from a zero state."""
     _check_tokens(tokens_BxT, 2, "tokens")
+    if _is_unstacked(params):
+        raise ValueError("forward takes the stacked weights (init_params' form), not unstack_weights'")
     logits, _ = GLALM(cfg, _is_packed(params)).apply({"params": params}, tokens_BxT, None)
     return logits
 
@@ -335,6 +368,9 @@ def prefill(
     if state is None:
         state = init_state(cfg, tokens_BxT.shape[0])
     _check_state(cfg, state, tokens_BxT.shape[0])
+    if _is_unstacked(params):  # unstack_weights: the layers unrolled, as decode_step runs them
+        logits, new_state, _ = _unrolled(cfg, params, tokens_BxT, state, lengths_B)
+        return logits, new_state
     model = GLALM(cfg, _is_packed(params))
     logits, stacks = model.apply({"params": params}, tokens_BxT, _stack(cfg, state), lengths_B)
     return logits, _split(cfg, stacks)
@@ -361,6 +397,13 @@ def _unrolled(
 ) -> tuple[Array, State, tuple]:
     """The layers as an unrolled loop, each on its own state buffer (``decode_step``, ``verify``):
     (logits [B, T, V], the new state, per layer the ``trace`` collection it sowed, if one is named)."""
+    with weights_in_own_buffers() if _is_unstacked(params) else contextlib.nullcontext():
+        return _unrolled_layers(cfg, params, tokens_BxT, state, lengths_B, trace)
+
+
+def _unrolled_layers(
+    cfg: ModelConfig, params: Params, tokens_BxT: Array, state: State, lengths_B: Array | None, trace: str
+) -> tuple[Array, State, tuple]:
     model = GLALM(cfg)
     x = model.apply({"params": params}, tokens_BxT, method=GLALM.embed)
     new_state, traces = [], []

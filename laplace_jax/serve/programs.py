@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from laplace_jax.config import ModelConfig
 from laplace_jax.hlo_stats import gla_kernels
-from laplace_jax.models.gla_lm import init_state, pack_weights
+from laplace_jax.models.gla_lm import init_state, pack_weights, unstack_weights
 from laplace_jax.sampling import grammar_tiles, grammar_tiles_shape
 from laplace_jax.serve.slot_programs import (
     GRAMMAR_BLOCK,
@@ -67,8 +67,7 @@ class DevicePrograms:
         )
         self.speculation_counts = np.zeros((3,), np.int64)  # drafts, draft tokens, accepted tokens (device counts)
         self.template, self.fields = self.layout.row_template(), self.layout.request_fields()  # per-slot row fields
-        on_cpu = devices[0].platform == "cpu"  # XLA:CPU needs bf16 weights as bits (pack_weights)
-        self.params = jax.device_put(pack_weights(params) if on_cpu else params, NamedSharding(self.mesh, P()))
+        self.params = jax.device_put(placed_weights(cfg, params, devices[0].platform), NamedSharding(self.mesh, P()))
         self.executables: dict[tuple[str, int], Any] = {}
         self.slots = self.new_slots()
         self.grammar = self.new_grammar()
@@ -274,6 +273,16 @@ class DevicePrograms:
 
 def _abstract(tree, sharding):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def placed_weights(cfg: ModelConfig, params: Any, platform: str) -> Any:
+    """The weights in the form serving places them on ``platform``'s devices: on CPU as bits
+    (``pack_weights``: XLA:CPU would widen the bf16 stack), on TPU each layer in buffers of its own
+    (``unstack_weights``: the Mosaic matmul kernel reads them in place; 3B decode at W=256 on v5p,
+    estimated 14.2 -> 13.1 ms), elsewhere as they are."""
+    if platform == "cpu":
+        return pack_weights(params)
+    return unstack_weights(cfg, params) if platform == "tpu" else params
 
 
 def serving_programs(

@@ -14,8 +14,9 @@ alike, and the cycles are linear in each, which ``tests/test_tpu.py`` checks).
         --shape 1024,128,96,192 --dtype bfloat16 --heads 2,4
 
 prints {"kernel": ..., "heads": [2, 4], "cycles": [...]} as JSON. The decode-step kernel
-(``gla_mosaic_step``, ``--shape B,H,K,V``) and the conv step (``short_conv_mosaic_step``,
-``--shape B,W,D,masked``) are profiled once at the call's own sizes: their grids are small.
+(``gla_mosaic_step``, ``--shape B,H,K,V``), the conv step (``short_conv_mosaic_step``,
+``--shape B,W,D,masked``) and the few-row product (``matmul_mosaic_rows``, ``--shape M,I,O,fp32_out``)
+are profiled once at the call's own sizes: their grids are small.
 The cycles are the compiler's static schedule, which counts no HBM transfer time: ``tpu`` sets
 it beside a DMA floor.
 ``--calibration`` profiles a compute-bound Mosaic program instead, an 8192^3 bf16 matmul in
@@ -32,7 +33,7 @@ import re
 import sys
 import tempfile
 
-from laplace_jax.ops.gla.limits import MOSAIC_DECODE_KERNELS, MOSAIC_STEP_KERNEL
+from laplace_jax.ops.gla.limits import MOSAIC_DECODE_KERNELS, MOSAIC_MATMUL_KERNEL, MOSAIC_STEP_KERNEL
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 TOPOLOGY = {"v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}  # one chip of each generation
@@ -40,14 +41,20 @@ TOPOLOGY = {"v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}  # one chip 
 
 def decode_args(kernel: str, shape: tuple[int, ...], dtype: str) -> tuple:
     """A Mosaic decode-step kernel and ShapeDtypeStructs of its operands (the kernel's own
-    layout): ``gla_mosaic_step`` at B,H,K,V, ``short_conv_mosaic_step`` at B,W,D,masked."""
+    layout): ``gla_mosaic_step`` at B,H,K,V, ``short_conv_mosaic_step`` at B,W,D,masked,
+    ``matmul_mosaic_rows`` at M,I,O,fp32_out."""
     import jax
     import jax.numpy as jnp
 
     from laplace_jax.ops.conv import mosaic_step as conv
     from laplace_jax.ops.gla import mosaic_step as gla
+    from laplace_jax.ops.matmul import rows_matmul
 
     S, f32 = jax.ShapeDtypeStruct, jnp.float32
+    if kernel == MOSAIC_MATMUL_KERNEL:
+        M, I, O, fp32_out = shape
+        fn = lambda x, w: rows_matmul(x, w, f32 if fp32_out else dtype)  # noqa: E731
+        return fn, (S((M, I), dtype), S((I, O), dtype))
     if kernel == MOSAIC_STEP_KERNEL:
         B, H, K, V = shape
         fn = lambda q, k, g, v, s: gla._call(q, k, g, v, s, K**-0.5, False)  # noqa: E731
@@ -150,11 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     prog = "python -m laplace_jax.tools.mosaic_profile"
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--chip", choices=sorted(TOPOLOGY), required=True)
-    ap.add_argument("--kernel", help="gla_mosaic_fwd, gla_mosaic_bwd, gla_mosaic_step or short_conv_mosaic_step")
+    ap.add_argument(
+        "--kernel", help="gla_mosaic_fwd, gla_mosaic_bwd, gla_mosaic_step, short_conv_mosaic_step or matmul_mosaic_rows"
+    )
     ap.add_argument(
         "--shape",
         help="T,C,K,V: sequence, chunk, key and value head widths (gla_mosaic_step: B,H,K,V; "
-        "short_conv_mosaic_step: B,W,D,masked)",
+        "short_conv_mosaic_step: B,W,D,masked; matmul_mosaic_rows: M,I,O,fp32_out)",
     )
     ap.add_argument("--calibration", action="store_true", help="the calibration matmul instead of a kernel")
     ap.add_argument("--dtype", default="bfloat16", help="q, k, v dtype")

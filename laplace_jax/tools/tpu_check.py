@@ -13,7 +13,8 @@ not a measurement).
               TPU kernel; both), forward and forward + backward (bf16 q/k/v, fp32 g).
 --decode W    the public ``decode_step`` at W sequences, bf16 weights and compute, the state
               donated: once with the weights as plain bf16 arrays, once packed as serving packs
-              them on CPU (``pack_weights``, XLA:CPU's workaround).
+              them on CPU (``pack_weights``, XLA:CPU's workaround), once each layer in its own
+              buffers as serving places them on TPU (``unstack_weights``: the Mosaic matmul).
 --prefill T   the public ``prefill`` of one T-token prompt (T: one length or a comma list, the
               prompt length buckets), bf16: estimated tokens/s against the FLOP limit.
 --serve       serving's programs for the config (bf16): prefill, every decode bucket, the sampler.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shlex
@@ -131,18 +133,38 @@ def _weight_and_state_bytes(cfg, batch: int) -> tuple[int, int]:
     return weights, state
 
 
-def decode_reports(chip, devices, config, width: int) -> list[dict[str, Any]]:
-    """The public ``decode_step`` at ``width`` on one chip, bf16 weights (plain, then packed),
-    state donated. Limit: every weight read once and the state read and written once."""
+# the forms decode's and prefill's weights may be placed in (``_bf16_weights``)
+WEIGHT_FORMS = ("bf16 weights", "packed weights (pack_weights)", "per-layer weights (unstack_weights)")
+
+
+def _bf16_weights(cfg, form: str = WEIGHT_FORMS[0]):
+    """Abstract bf16 weights of ``cfg`` in one of ``WEIGHT_FORMS``: as initialised (layers
+    stacked), as uint16 bits (serving's CPU form) or each layer in its own buffers (its TPU form)."""
     import jax
     import jax.numpy as jnp
 
-    from laplace_jax.models.gla_lm import abstract_params, count_params, decode_step, init_state, pack_weights
+    from laplace_jax.models.gla_lm import abstract_params, pack_weights, unstack_weights
+
+    bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
+    place = {
+        WEIGHT_FORMS[0]: lambda p: p,
+        WEIGHT_FORMS[1]: pack_weights,
+        WEIGHT_FORMS[2]: functools.partial(unstack_weights, cfg),
+    }
+    return jax.eval_shape(place[form], bf16)
+
+
+def decode_reports(chip, devices, config, width: int, forms=tuple(WEIGHT_FORMS)) -> list[dict[str, Any]]:
+    """The public ``decode_step`` at ``width`` on one chip, bf16 weights in each of ``forms``
+    (``WEIGHT_FORMS``: plain, packed, each layer in its own buffers), state donated. Limit: every
+    weight read once and the state read and written once."""
+    import jax
+    import jax.numpy as jnp
+
+    from laplace_jax.models.gla_lm import abstract_params, count_params, decode_step, init_state
     from laplace_jax.tpu import report
 
     cfg = _serving_cfg(config)
-    bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
-    packed = jax.eval_shape(pack_weights, bf16)
     state = jax.eval_shape(lambda: init_state(cfg, width))
     tokens = jax.ShapeDtypeStruct((width,), jnp.int32)
     weights, state_bytes = _weight_and_state_bytes(cfg, width)
@@ -156,14 +178,15 @@ def decode_reports(chip, devices, config, width: int) -> list[dict[str, Any]]:
             flops=flops,
             bytes_=weights + 2 * state_bytes,
         )
-        for label, params in (("bf16 weights", bf16), ("packed weights (pack_weights)", packed))
+        for label, params in ((form, _bf16_weights(cfg, form)) for form in forms)
     ]
 
 
-def prefill_reports(chip, devices, config, lengths: list[int]) -> list[dict[str, Any]]:
-    """The public ``prefill`` of one prompt of each length on one chip, bf16 weights and compute,
-    the state donated. Limit: FLOPs 2 N T plus the chunk kernel's 4 dk dv + 2 C (dk + dv) per
-    token, head and layer; bytes every weight once and the state in and out."""
+def prefill_reports(chip, devices, config, lengths: list[int], form: str = WEIGHT_FORMS[0]) -> list[dict[str, Any]]:
+    """The public ``prefill`` of one prompt of each length on one chip, bf16 weights (in ``form``,
+    one of ``WEIGHT_FORMS``) and compute, the state donated. Limit: FLOPs 2 N T plus the chunk
+    kernel's 4 dk dv + 2 C (dk + dv) per token, head and layer; bytes every weight once and the
+    state in and out."""
     import jax
     import jax.numpy as jnp
 
@@ -171,7 +194,7 @@ def prefill_reports(chip, devices, config, lengths: list[int]) -> list[dict[str,
     from laplace_jax.tpu import report
 
     cfg = _serving_cfg(config)
-    bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
+    bf16 = _bf16_weights(cfg, form)
     state = jax.eval_shape(lambda: init_state(cfg, 1))
     weights, state_bytes = _weight_and_state_bytes(cfg, 1)
     K, V, C = cfg.head_k_dim, cfg.head_v_dim, cfg.chunk_size
@@ -183,7 +206,7 @@ def prefill_reports(chip, devices, config, lengths: list[int]) -> list[dict[str,
         rep = report(
             compile_for_tpu(step, (bf16, tokens, state), devices, donate=(2,)),
             chip,
-            f"prefill 1 x {T} tokens, bf16",
+            f"prefill 1 x {T} tokens, bf16" + ("" if form == WEIGHT_FORMS[0] else f", {form}"),
             flops=T * (2 * count_params(abstract_params(cfg)) + kernel_per_token),
             bytes_=weights + 2 * state_bytes,
         )
@@ -216,7 +239,7 @@ def serve_reports(
     from laplace_jax.models.gla_lm import abstract_params, count_params
     from laplace_jax.sampling import grammar_limit, grammar_next, grammar_tiles_shape, penalize, sample_rows
     from laplace_jax.serve.config import ServeConfig
-    from laplace_jax.serve.programs import serving_programs
+    from laplace_jax.serve.programs import placed_weights, serving_programs
     from laplace_jax.serve.scheduler import make_buckets
     from laplace_jax.serve.slot_programs import GRAMMAR_DTYPE, SlotLayout, row_template
     from laplace_jax.tpu import report
@@ -226,8 +249,8 @@ def serve_reports(
     mesh = Mesh(np.asarray(devices), ("data",))
     serve = ServeConfig(speculative_config=speculative_config)
     lay = SlotLayout(cfg, mesh, "threefry2x32", steps, serve.structured_states, serve.speculation(), cfg.max_seq_len)
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
-    n_params = count_params(abstract_params(cfg))  # serving places bf16 weights as they are off CPU
+    params = jax.eval_shape(lambda p: placed_weights(cfg, p, "tpu"), _bf16_weights(cfg))  # serving's TPU form
+    n_params = count_params(abstract_params(cfg))
     out = []
     for name, width, fn, args, donate in serving_programs(lay, params, max_num_seqs, prefill_chunk, widths):
         if name not in programs or name == "sampler":

@@ -317,3 +317,30 @@ def test_packed_weights_give_the_same_logits():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 20)))
     for fn in (lambda p: prefill(cfg, p, tokens)[0], lambda p: forward(cfg, p, tokens)):
         np.testing.assert_array_equal(np.asarray(fn(params)), np.asarray(fn(packed)))
+
+
+def test_per_layer_weights_give_the_same_prefill_decode_and_verify():
+    """unstack_weights (serving's TPU form): prefill (then unrolled, as decode) and decode_step
+    agree with the stacked weights' within fp32 rounding (prefill: a scan against a loop),
+    verify exactly; forward refuses the form with a message."""
+    from laplace_jax.models.gla_lm import unstack_weights, verify
+
+    kw = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1)
+    cfg = ModelConfig(**kw)
+    params = init_params(cfg, jax.random.key(0))
+    per_layer = unstack_weights(cfg, params)
+    assert isinstance(per_layer["layers"], tuple) and len(per_layer["layers"]) == cfg.n_layers
+    tokens = jax.random.randint(jax.random.key(1), (2, 39), 0, cfg.vocab_size)
+    (a, sa), (b, sb) = (prefill(cfg, p, tokens[:, :37]) for p in (params, per_layer))
+    scale = float(jnp.max(jnp.abs(a)))
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * scale)
+    for x, y in zip(jax.tree.leaves(sb), jax.tree.leaves(sa), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    for t in range(37, 39):
+        (la, sa), (lb, sb) = (decode_step(cfg, p, tokens[:, t], s) for p, s in ((params, sa), (per_layer, sb)))
+        np.testing.assert_allclose(lb, la, rtol=0, atol=1e-5 * scale)
+    live = jnp.ones((2,), bool)
+    va, vb = (verify(cfg, p, tokens[:, 30:34], sa, live)[0] for p in (params, per_layer))
+    np.testing.assert_array_equal(np.asarray(va), np.asarray(vb))
+    with pytest.raises(ValueError, match="stacked weights"):
+        forward(cfg, per_layer, tokens)

@@ -9,7 +9,9 @@ BLOCK_KERNELS = {"pallas": "the Pallas GPU kernel", "mosaic": "the Pallas TPU (M
 MOSAIC_KERNELS = ("gla_mosaic_fwd", "gla_mosaic_bwd")  # the Mosaic kernels' names, as compiled HLO shows them
 MOSAIC_STEP_KERNEL = "gla_mosaic_step"  # the Mosaic decode-step kernels' names
 MOSAIC_CONV_KERNEL = "short_conv_mosaic_step"
-MOSAIC_DECODE_KERNELS = (MOSAIC_STEP_KERNEL, MOSAIC_CONV_KERNEL)  # profiled whole, at each call's own sizes
+MOSAIC_MATMUL_KERNEL = "matmul_mosaic_rows"  # ops/matmul/mosaic.py: few-row products (decode, short prefill)
+# the kernels profiled whole, at each call's own sizes
+MOSAIC_DECODE_KERNELS = (MOSAIC_STEP_KERNEL, MOSAIC_CONV_KERNEL, MOSAIC_MATMUL_KERNEL)
 # the XLA kernels' named scopes, as compiled HLO's op names show them (hlo_stats.gla_kernels)
 XLA_SCORES_SCOPE = "gla_scores_{layout}"  # the chunk kernel's intra-chunk scores ("full" or "blocks")
 XLA_STEP_SCOPE = "gla_step_xla"
