@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path, model, params, tok, name, weights_dtype = _load(cfg)
         engine = Engine(model, params, cfg, eos_id=tok.eos_id, metrics=ServeMetrics())
+        del params  # the engine placed its own copy (per layer on a megacore TPU): free the loaded one
     except (UserError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -67,7 +67,7 @@ class DevicePrograms:
         )
         self.speculation_counts = np.zeros((3,), np.int64)  # drafts, draft tokens, accepted tokens (device counts)
         self.template, self.fields = self.layout.row_template(), self.layout.request_fields()  # per-slot row fields
-        self.params = jax.device_put(placed_weights(cfg, params, devices[0].platform), NamedSharding(self.mesh, P()))
+        self.params = jax.device_put(placed_weights(cfg, params, devices[0]), NamedSharding(self.mesh, P()))
         self.executables: dict[tuple[str, int], Any] = {}
         self.slots = self.new_slots()
         self.grammar = self.new_grammar()
@@ -275,14 +275,16 @@ def _abstract(tree, sharding):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def placed_weights(cfg: ModelConfig, params: Any, platform: str) -> Any:
-    """The weights in the form serving places them on ``platform``'s devices: on CPU as bits
-    (``pack_weights``: XLA:CPU would widen the bf16 stack), on TPU each layer in buffers of its own
-    (``unstack_weights``: the Mosaic matmul kernel reads them in place; 3B decode at W=256 on v5p,
-    estimated 14.2 -> 13.1 ms), elsewhere as they are."""
-    if platform == "cpu":
+def placed_weights(cfg: ModelConfig, params: Any, device: Any) -> Any:
+    """The weights in the form serving places them on ``device``'s kind: on CPU as bits
+    (``pack_weights``: XLA:CPU would widen the bf16 stack); on a TPU with two TensorCores per
+    chip (v4, v5p) each layer in buffers of its own (``unstack_weights``: the Mosaic matmul reads
+    them in place; 3B decode at W=256 on v5p, estimated 14.2 -> 13.1 ms), made while the loaded
+    stack is still held, so startup holds the weights twice there; elsewhere as they are."""
+    if device.platform == "cpu":
         return pack_weights(params)
-    return unstack_weights(cfg, params) if platform == "tpu" else params
+    megacore = device.platform == "tpu" and (getattr(device, "num_cores", None) or 1) >= 2
+    return unstack_weights(cfg, params) if megacore else params
 
 
 def serving_programs(

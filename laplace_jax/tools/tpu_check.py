@@ -249,7 +249,7 @@ def serve_reports(
     mesh = Mesh(np.asarray(devices), ("data",))
     serve = ServeConfig(speculative_config=speculative_config)
     lay = SlotLayout(cfg, mesh, "threefry2x32", steps, serve.structured_states, serve.speculation(), cfg.max_seq_len)
-    params = jax.eval_shape(lambda p: placed_weights(cfg, p, "tpu"), _bf16_weights(cfg))  # serving's TPU form
+    params = jax.eval_shape(lambda p: placed_weights(cfg, p, devices[0]), _bf16_weights(cfg))  # serving's form
     n_params = count_params(abstract_params(cfg))
     out = []
     for name, width, fn, args, donate in serving_programs(lay, params, max_num_seqs, prefill_chunk, widths):

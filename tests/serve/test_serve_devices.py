@@ -130,17 +130,21 @@ def test_rbg_keys_sample_reproducibly_and_greedy_is_unchanged():
 
 def test_weights_are_placed_per_device_kind():
     """Serving's placement: bf16 layer weights as uint16 bits on CPU, each layer in buffers of its
-    own on TPU (the same arrays, one tuple entry per layer), as they are on other devices."""
+    own on a two-core TPU (the same arrays, one tuple entry per layer), as they are on a one-core
+    TPU and other devices."""
+    from types import SimpleNamespace
+
     import jax.numpy as jnp
     import numpy as np
 
     from laplace_jax.serve.programs import placed_weights
 
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
-    cpu, tpu, gpu = (placed_weights(CFG, bf16, p) for p in ("cpu", "tpu", "cuda"))
+    kinds = [("cpu", None), ("tpu", 2), ("tpu", 1), ("gpu", 132)]
+    cpu, tpu, v5e, gpu = (placed_weights(CFG, bf16, SimpleNamespace(platform=p, num_cores=n)) for p, n in kinds)
     assert {x.dtype for x in jax.tree.leaves(cpu["layers"])} == {jnp.dtype(jnp.uint16)}
     assert isinstance(tpu["layers"], tuple) and len(tpu["layers"]) == CFG.n_layers
     for r, layer in enumerate(tpu["layers"]):
         for a, b in zip(jax.tree.leaves(layer), jax.tree.leaves(bf16["layers"]), strict=True):
             assert np.array_equal(np.asarray(a), np.asarray(b[r]))
-    assert gpu is bf16
+    assert gpu is bf16 and v5e is bf16
