@@ -149,16 +149,18 @@ def _running_on(args) -> str | None:
     return "rocm" if "rocm" in getattr(device.client, "platform_version", "").lower() else "cuda"
 
 
-def tensor_cores(x: jax.Array) -> int | None:
-    """TensorCores per chip of the TPU a traced array's program is compiled for: from the device
-    its sharding names (a deviceless compile from a CPU host names its TPU devices there), else
-    from this host's TPU; None where neither says (not a TPU, or not known until lowering)."""
+def compile_target(x: jax.Array):
+    """The device a traced array's program is compiled for, as far as tracing knows it: the
+    (abstract) device its sharding names (a deviceless compile from a CPU host names its TPU
+    devices there), else this host's first device."""
     device = getattr(getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None), "abstract_device", None)
-    if device is not None:
-        return device.num_cores if device.platform == "tpu" else None
-    if jax.default_backend() == "tpu":
-        return getattr(jax.devices()[0], "num_cores", None)
-    return None
+    return device if device is not None else jax.devices()[0]
+
+
+def two_core_tpu(device) -> bool:
+    """Whether ``device`` (a device or an abstract one) is a TPU with two TensorCores per chip
+    (v4, v5p: megacore), where few-row products take the Mosaic matmul (``layers.common.matmul``)."""
+    return device.platform == "tpu" and (getattr(device, "num_cores", None) or 1) >= 2
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from laplace_jax.ops import matmul as mosaic_matmul
 from laplace_jax.ops.conv import short_conv_step
 from laplace_jax.parallel import context_axis, from_previous_slice, gathered, local_shape
-from laplace_jax.platform import per_platform, tensor_cores
+from laplace_jax.platform import compile_target, per_platform, two_core_tpu
 
 Array = jax.Array
 
@@ -103,10 +104,10 @@ def matmul(x: Array, w_IxO: Array, out_dtype: Any) -> Array:
     one-sequence decode step) is padded to two, because the compiler lowers a one-row product as
     an elementwise multiply and reduce over the whole weight (3B decode step at W=1 on v5p,
     estimated: 7.90 ms, against 5.09 ms for two rows). Other backends take the product as it is."""
-    dot = lambda a, b: jnp.einsum("...i,io->...o", a, b, preferred_element_type=out_dtype)  # noqa: E731
+    dot = functools.partial(mosaic_matmul.reference, out_dtype=out_dtype)
     rows = math.prod(x.shape[:-1])
     kernel_takes = mosaic_matmul.takes(rows, *w_IxO.shape, x.dtype, w_IxO.dtype)
-    if kernel_takes and _OWN_BUFFERS.get() and (tensor_cores(w_IxO) or 0) >= 2:
+    if kernel_takes and _OWN_BUFFERS.get() and two_core_tpu(compile_target(w_IxO)):
 
         def kernel(a, b):
             return mosaic_matmul.rows_matmul(a.reshape(rows, a.shape[-1]), b, out_dtype).reshape(*a.shape[:-1], -1)

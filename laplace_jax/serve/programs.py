@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from laplace_jax.config import ModelConfig
 from laplace_jax.hlo_stats import gla_kernels
 from laplace_jax.models.gla_lm import init_state, pack_weights, unstack_weights
+from laplace_jax.platform import two_core_tpu
 from laplace_jax.sampling import grammar_tiles, grammar_tiles_shape
 from laplace_jax.serve.slot_programs import (
     GRAMMAR_BLOCK,
@@ -283,8 +284,7 @@ def placed_weights(cfg: ModelConfig, params: Any, device: Any) -> Any:
     stack is still held, so startup holds the weights twice there; elsewhere as they are."""
     if device.platform == "cpu":
         return pack_weights(params)
-    megacore = device.platform == "tpu" and (getattr(device, "num_cores", None) or 1) >= 2
-    return unstack_weights(cfg, params) if megacore else params
+    return unstack_weights(cfg, params) if two_core_tpu(device) else params
 
 
 def serving_programs(

@@ -15,7 +15,7 @@ the larger of that and its bytes' DMA floor).
 Where. ``takes``: at most ``MAX_ROWS`` rows (more rows keep the cores busy either way: at 512 rows
 the two estimate within 7% of each other, and the train step's products are far larger), I and O
 whole 128-lane tiles, one dtype. ``layers.common.matmul`` runs it in programs compiled for a TPU
-with two TensorCores per chip (v4, v5p: ``platform.tensor_cores``); on one-core chips (v5e, v6e)
+with two TensorCores per chip (v4, v5p: ``platform.two_core_tpu``); on one-core chips (v5e, v6e)
 the compiler's own dot estimates as fast or faster (it has no rows to split), and elsewhere it is
 the XLA dot. The gradient is XLA's (``jax.custom_vjp``): nothing trains through it at these sizes.
 """
@@ -39,8 +39,8 @@ VMEM_LIMIT = 64 * 2**20  # above the compiler's default scoped limit; under ever
 
 
 def reference(x: Array, w: Array, out_dtype: Any) -> Array:
-    """x [M, I] @ w [I, O], accumulated (and returned) in ``out_dtype``: the XLA dot."""
-    return jnp.dot(x, w, preferred_element_type=out_dtype)
+    """x [.., I] @ w [I, O], accumulated (and returned) in ``out_dtype``: the XLA dot."""
+    return jnp.einsum("...i,io->...o", x, w, preferred_element_type=out_dtype)
 
 
 def takes(rows: int, in_features: int, out_features: int, dtype: Any, w_dtype: Any) -> bool:
