@@ -17,9 +17,9 @@ from collections import defaultdict
 from typing import Any
 
 from laplace_jax.ops.gla.limits import (
-    MOSAIC_DECODE_KERNELS,
+    MOSAIC_CONV_KERNEL,
     MOSAIC_KERNELS,
-    MOSAIC_MATMUL_KERNEL,
+    MOSAIC_STEP_KERNEL,
     XLA_CONV_SCOPE,
     XLA_SCORES_SCOPE,
     XLA_STEP_SCOPE,
@@ -405,7 +405,7 @@ def gla_kernels(hlo: str) -> list[str]:
     """The GLA kernels a compiled program runs, read from its HLO text: the Mosaic kernels by their
     names, a Pallas GPU kernel by its Triton call, the XLA kernels by their named scopes (the chunk
     kernel with its layout, the decode and conv steps)."""
-    gla = (*MOSAIC_KERNELS, *(k for k in MOSAIC_DECODE_KERNELS if k != MOSAIC_MATMUL_KERNEL))  # not the projections
+    gla = (*MOSAIC_KERNELS, MOSAIC_STEP_KERNEL, MOSAIC_CONV_KERNEL)  # not the projections, norms or SwiGLU
     found = [f"{name} (Mosaic)" for name in gla if name in hlo]
     if "xla.gpu.triton" in hlo or "__triton" in hlo:
         found.append("Pallas GPU kernel (Triton)")

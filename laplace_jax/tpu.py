@@ -43,7 +43,9 @@ from laplace_jax.ops.gla.limits import (
     MOSAIC_DECODE_KERNELS,
     MOSAIC_KERNELS,
     MOSAIC_MATMUL_KERNEL,
+    MOSAIC_NORM_KERNELS,
     MOSAIC_STEP_KERNEL,
+    MOSAIC_SWIGLU_KERNELS,
 )
 
 LABEL = "TPU compiler estimate (its cost model's estimated_cycles), not a measurement"
@@ -205,7 +207,8 @@ _DTYPES = {"bf16": "bfloat16", "f32": "float32", "f16": "float16"}
 def mosaic_call(module: Module, comp: str, ins: Any) -> dict[str, Any] | None:
     """The sizes of a call of this project's Mosaic kernels (the GLA chunk kernels of
     ``ops/gla/mosaic.py``; the decode steps of ``ops/gla/mosaic_step.py`` and
-    ``ops/conv/mosaic_step.py`` and the few-row products of ``ops/matmul/mosaic.py``, whose
+    ``ops/conv/mosaic_step.py``, the few-row products of ``ops/matmul/mosaic.py``, the
+    RMSNorm kernels of ``ops/norm/mosaic.py`` and SwiGLU's of ``ops/swiglu/mosaic.py``, whose
     ``shape`` is what ``tools/mosaic_profile`` rebuilds them
     from), read from the compiled call and its operands, or None for any other instruction."""
     if ins.opcode != "custom-call" or "tpu_custom_call" not in ins.rest:
@@ -223,6 +226,20 @@ def mosaic_call(module: Module, comp: str, ins: Any) -> dict[str, Any] | None:
         (dtype, (M, I)), (_, (_, O)) = operands
         shape = (M, I, O, int(arrays(ins.type)[0][0] == "f32"))
         return {"kernel": kernel, "shape": shape, "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
+    if kernel in MOSAIC_NORM_KERNELS[:2]:  # x [N, D], gain [1, w] (, gate [N, D]) (, dy [N, D]) -> y (, dx, dg (, dz))
+        bwd = kernel == MOSAIC_NORM_KERNELS[1]
+        gated = len(operands) == 3 + bwd
+        (dtype, (N, D)), w, out = operands[0], operands[1][1][1], operands[-1][0] if bwd else arrays(ins.type)[0][0]
+        shape = (N, D, w, int(out == "f32"), int(gated))
+        return {"kernel": kernel, "shape": shape, "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
+    if kernel in MOSAIC_NORM_KERNELS[2:]:  # x, h, gain [1, D] -> (r, y); r, gain, dy, dr -> (dx, dg)
+        bwd = kernel == MOSAIC_NORM_KERNELS[3]
+        (dtype, (N, D)), out = operands[0], operands[2][0] if bwd else arrays(ins.type)[1][0]
+        shape = (N, D, D, int(out == "f32"), 0)
+        return {"kernel": kernel, "shape": shape, "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
+    if kernel in MOSAIC_SWIGLU_KERNELS:  # gate, up (, dy) [N, F]
+        dtype, (N, F) = operands[0]
+        return {"kernel": kernel, "shape": (N, F), "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
     if kernel == MOSAIC_CONV_KERNEL:  # ([live [B, 1],] x [B, D], cache [B, W * D], kernel [W, D])
         (dtype, (B, D)), (W, _) = operands[-3], operands[-1][1]
         shape = (B, W, D, int(len(operands) == 4))
@@ -297,7 +314,9 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     ``unestimated``: ops that run but carry no estimate (per opcode, Mosaic kernels by name: how
     many times they run and the bytes of their results), so a reader knows what the sum leaves
     out. Scalar bookkeeping (loop counters, tuples) is not listed. ``mosaic`` lists this project's
-    Mosaic kernel calls, each counted at max(static schedule, DMA floor) (``MOSAIC_LABEL``)."""
+    Mosaic kernel calls, each counted at max(static schedule, DMA floor) (``MOSAIC_LABEL``). A
+    reshape that the compiler kept as one (a relayout: a free one is a bitcast) carries no
+    estimate either; it is counted at the DMA floor of reading and writing its result."""
     module = Module(hlo)
     mult = module.multiplicities(control_only=True)
     frames = module.frames()
@@ -321,6 +340,8 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
                 else:
                     mosaic.append({**call, "calls": factor, "schedule_s": schedule, "dma_floor_s": floor})
                     c = max(schedule, floor) * hz
+            if c is None and ins.opcode == "reshape":  # a relayout (a bitcast would say so): read and write it
+                c = dma_floor(chip, 2 * shape_bytes(ins.type)) * hz
             if c is None:
                 kind = failed or _unestimated_kind(ins)
                 if kind is not None:

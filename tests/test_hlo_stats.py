@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from laplace_jax.hlo_stats import collective_bytes
@@ -99,6 +100,24 @@ def test_estimate_sums_cycles_times_trips_and_names_the_source():
     (row,) = est["by_source"]
     assert row["source"] == "ops/gla/chunk.py:20 inner" and set(row["primitives"]) == {"mul"}
     assert est["unestimated"] == {}  # scalars and tuples are bookkeeping, not left-out work
+
+
+def test_a_relayout_reshape_counts_at_its_dma_floor():
+    """A reshape the compiler kept (a relayout; a free one prints as a bitcast) carries no
+    estimated_cycles: the estimate counts it at the DMA floor of reading and writing its result
+    (4 MiB each way here), ten times in the loop, and a bitcast stays free."""
+    from laplace_jax.tpu import CHIPS, dma_floor, estimate
+
+    chip = CHIPS["v5e"]
+    relayout = '%f = f32[1024,1024]{1,0} reshape(%x), metadata={op_name="jit(g)/while/body/reshape" stack_frame_id=2}'
+    text = TPU_LOOP.replace(
+        '%f = f32[1024,1024]{1,0} fusion(%x), kind=kLoop, calls=%fused, backend_config={"estimated_cycles":"1000"}',
+        relayout,
+    )
+    est = estimate(text, chip)
+    assert est["seconds"] == pytest.approx(10 * dma_floor(chip, 2 * 1024 * 1024 * 4))
+    assert est["unestimated"] == {} and set(est["by_source"][0]["primitives"]) == {"reshape"}
+    assert estimate(text.replace(" reshape(%x)", " bitcast(%x)"), chip)["seconds"] == 0
 
 
 def test_stack_frames_chain_to_their_callers():

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
@@ -347,7 +348,7 @@ def test_the_mosaic_decode_step_compiles_in_place_and_is_counted_at_its_dma_floo
     compiled = compile_for_tpu(step, (params, jax.ShapeDtypeStruct((B,), jnp.int32), state), devices, donate=(2,))
     rep = report(compiled, chip, "decode")
     est = rep["estimate"]
-    kernels = sorted(m["kernel"] for m in est["mosaic"])
+    kernels = sorted(m["kernel"] for m in est["mosaic"] if m["kernel"] in ("gla_mosaic_step", "short_conv_mosaic_step"))
     found = ["gla_mosaic_step (Mosaic)"] * bool(gla_kernels) + ["short_conv_mosaic_step (Mosaic)"]
     assert rep["gla_kernels"] == found + ["XLA GLA step"] * (not gla_kernels), rep["gla_kernels"]
     assert kernels == ["gla_mosaic_step"] * gla_kernels + ["short_conv_mosaic_step"] * 6, kernels
@@ -367,6 +368,45 @@ def test_the_mosaic_decode_step_compiles_in_place_and_is_counted_at_its_dma_floo
     res = run_mosaic_profile("--chip", "v5p", "--kernel", "gla_mosaic_step", "--shape", "256,16,96,192")
     schedule = res["cycles"][0] / (chip.clock_ghz * 1e9)
     assert 0 < schedule < dma_floor(chip, 2 * 256 * 16 * 96 * 192 * 4), schedule
+
+
+@pytest.mark.parametrize("topology", ["v5e:1x1", "v5p:1x1x1"])
+def test_norms_and_swiglu_are_mosaic_kernels_forward_and_backward(topology):
+    """The gradient of a two-layer model's summed logits (16 x 128 tokens, bf16) compiled for one
+    TPU chip. On v5p (two TensorCores) every RMSNorm (the attention's and the final one; the
+    MLP's with the residual add before it), GLA's gated output norm and SwiGLU's gate run as the
+    Mosaic kernels, forward and backward, each counted (never unestimated) at max(static
+    schedule, DMA floor); a reshape the compiler keeps (a relayout) is counted too. On v5e (one
+    core) none of them runs."""
+    from laplace_jax.config import ModelConfig
+    from laplace_jax.models.gla_lm import abstract_params, forward
+    from laplace_jax.tools.tpu_check import compile_for_tpu
+    from laplace_jax.tpu import dma_floor
+
+    chip, devices = tpu_devices(topology)
+    cfg = ModelConfig(vocab_size=256, d_model=512, n_layers=2, n_heads=8, use_short_conv=True, dtype="bfloat16")
+    params = abstract_params(cfg)
+    tokens = jax.ShapeDtypeStruct((16, 128), jnp.int32)
+    loss = lambda p, t: jnp.sum(forward(cfg, p, t).astype(jnp.float32))  # noqa: E731
+    compiled = compile_for_tpu(jax.grad(loss), (params, tokens), devices)
+    est = report(compiled, chip, "grad")["estimate"]
+    calls: dict[tuple, float] = {}
+    for m in est["mosaic"]:
+        if m["kernel"].startswith(("rms_norm", "swiglu")):
+            key = (m["kernel"], *m["shape"][4:])  # the norms: gated or not
+            calls[key] = calls.get(key, 0) + m["calls"]
+            assert m["schedule_s"] > 0 and m["dma_floor_s"] == dma_floor(chip, m["bytes"])
+    plain, layers = cfg.n_layers + 1, cfg.n_layers  # attn_norm and the final norm; mlp_norm takes the add
+    if topology.startswith("v5e"):  # one TensorCore: XLA's fused norms estimate faster (row_kernels)
+        assert calls == {}, calls
+        return
+    assert calls == {
+        ("rms_norm_mosaic_fwd", 0): plain, ("rms_norm_mosaic_bwd", 0): plain,
+        ("rms_norm_mosaic_fwd", 1): layers, ("rms_norm_mosaic_bwd", 1): layers,
+        ("rms_norm_residual_mosaic_fwd", 0): layers, ("rms_norm_residual_mosaic_bwd", 0): layers,
+        ("swiglu_mosaic_fwd",): layers, ("swiglu_mosaic_bwd",): layers,
+    }, calls  # fmt: skip
+    assert not any("Mosaic" in k or k == "reshape" for k in est["unestimated"]), est["unestimated"]
 
 
 @pytest.mark.parametrize("topology, form, matmuls", [("v5p:1x1x1", "per-layer", 8), ("v5p:1x1x1", "stacked", 0),
@@ -394,6 +434,12 @@ def test_few_row_products_are_the_mosaic_matmul_where_weights_have_their_own_buf
     est = report(compiled, chip, "decode")["estimate"]
     found = [m for m in est["mosaic"] if m["kernel"] == "matmul_mosaic_rows"]
     assert len(found) == (matmuls * cfg.n_layers + 1 if matmuls else 0), [m["shape"] for m in found]
+    rows = Counter(m["kernel"] for m in est["mosaic"] if m["kernel"].startswith(("rms_norm", "swiglu")))
+    # the row kernels in every layer, either weight form, on v5p (also after a Mosaic matmul, whose
+    # output names no device: ``layers.common.model_target``); none on v5e
+    L = cfg.n_layers
+    want = {"rms_norm_mosaic_fwd": 2 * L + 1, "rms_norm_residual_mosaic_fwd": L, "swiglu_mosaic_fwd": L}
+    assert rows == (want if topology.startswith("v5p") else {}), rows
     assert not any("Mosaic" in k for k in est["unestimated"])
     if form == "per-layer":  # no weight is rewritten in HBM (S(1): the compiler's prefetches into VMEM)
         weights = {f"bf16[{','.join(map(str, x.shape[-2:]))}]" for x in jax.tree.leaves(abstract_params(cfg))}

@@ -10,8 +10,17 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from laplace_jax.config import ModelConfig
-from laplace_jax.layers.common import VERIFY_INPUTS, VERIFY_STATES, GatedRMSNorm, Linear, ShortConv, trace_of
+from laplace_jax.layers.common import (
+    VERIFY_INPUTS,
+    VERIFY_STATES,
+    GatedRMSNorm,
+    Linear,
+    ShortConv,
+    row_kernels,
+    trace_of,
+)
 from laplace_jax.ops.gla import context_gla, gla, gla_decode, gla_states
+from laplace_jax.ops.norm import takes as norm_takes
 from laplace_jax.parallel import context_axis
 
 Array = jax.Array
@@ -81,14 +90,20 @@ class GatedLinearAttention(nn.Module):
             self.sow(trace, "inputs", (k, v, gk))
         new_state["gla"] = s
 
-        # In the decode step the gate meets o as [B*H, dv] rows: the state (and so o) is laid out
-        # batch-minor on the TPU, and with the 4-d shape that layout flowed through the gate into
-        # g_proj's output and cost a transposed copy of g_proj's weights every step (1.35 ms of the
-        # 3B decode step's estimate at W=256 on v5p); 2-d rows stop it at o (1.5 MB). Over a
-        # sequence the 4-d shape is the cheaper one (the 340M train step: 0.436 s vs 0.442 s).
-        rows = (B * H, dv) if T == 1 and state is not None else (B, T, H, dv)
-        g = lin(cfg.value_dim, ("embed", "heads"), name="g_proj")(x_BxTxD).reshape(rows)
-        gate = GatedRMSNorm(cfg.norm_eps, dtype=dt, name="g_norm_swish_gate")
-        o = gate(o.reshape(rows), g).reshape(B, T, H * dv)
+        g = lin(cfg.value_dim, ("embed", "heads"), name="g_proj")(x_BxTxD)
+        # Where the Mosaic norm runs (``row_kernels``) o and g meet it as [B, T, H * dv]: a
+        # [.., H, dv] view would be a relayout of both (dv = 192 is not whole lane tiles). For
+        # XLA's norm, in the decode step the gate meets o as [B*H, dv] rows: the state (and so o)
+        # is laid out batch-minor on the TPU, and with the 4-d shape that layout flowed through
+        # the gate into g_proj's output and cost a transposed copy of g_proj's weights every step
+        # (1.35 ms of the 3B decode step's estimate at W=256 on v5p); 2-d rows stop it at o
+        # (1.5 MB). Over a sequence the 4-d shape is the cheaper one (the 340M train step on
+        # v5e:2x2: 282.9 ms against 286.3 as [B, T, H * dv]).
+        if row_kernels(g, norm_takes):
+            rows: tuple[int, ...] = (B, T, H * dv)
+        else:
+            rows = (B * H, dv) if T == 1 and state is not None else (B, T, H, dv)
+        gate = GatedRMSNorm(dv, cfg.norm_eps, dtype=dt, name="g_norm_swish_gate")
+        o = gate(o.reshape(rows), g.reshape(rows)).reshape(B, T, H * dv)
         y = lin(x_BxTxD.shape[-1], ("heads", "embed"), name="o_proj")(o)
         return y, (None if state is None else new_state)

@@ -45,6 +45,7 @@ from laplace_jax.layers.common import (
     RMSNorm,
     SwiGLU,
     conv_cache,
+    model_target,
     weights_in_own_buffers,
 )
 from laplace_jax.layers.gla import GatedLinearAttention
@@ -140,8 +141,8 @@ class Block(nn.Module):
         """One layer: x [B, T, D] and this layer's state (or None) -> (x, its new state)."""
         x_BxTxD = constrain(x_BxTxD, ("batch", "length", "act_embed"))
         h, state = self.attn(self.attn_norm(x_BxTxD), state, lengths_B)
-        x_BxTxD = x_BxTxD + h
-        return x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD)), state
+        x_BxTxD, normed = self.mlp_norm(x_BxTxD, h)  # x + h and its norm, one pass
+        return x_BxTxD + self.mlp(normed), state
 
 
 def _remat(cfg: ModelConfig) -> type[Block]:
@@ -352,7 +353,8 @@ def forward(cfg: ModelConfig, params: Params, tokens_BxT: Array) -> Array:
     _check_tokens(tokens_BxT, 2, "tokens")
     if _is_unstacked(params):
         raise ValueError("forward takes the stacked weights (init_params' form), not unstack_weights'")
-    logits, _ = GLALM(cfg, _is_packed(params)).apply({"params": params}, tokens_BxT, None)
+    with model_target(tokens_BxT):
+        logits, _ = GLALM(cfg, _is_packed(params)).apply({"params": params}, tokens_BxT, None)
     return logits
 
 
@@ -371,8 +373,10 @@ def prefill(
     if _is_unstacked(params):  # unstack_weights: the layers unrolled, as decode_step runs them
         logits, new_state, _ = _unrolled(cfg, params, tokens_BxT, state, lengths_B)
         return logits, new_state
-    model = GLALM(cfg, _is_packed(params))
-    logits, stacks = model.apply({"params": params}, tokens_BxT, _stack(cfg, state), lengths_B)
+    with model_target(tokens_BxT):
+        logits, stacks = GLALM(cfg, _is_packed(params)).apply(
+            {"params": params}, tokens_BxT, _stack(cfg, state), lengths_B
+        )
     return logits, _split(cfg, stacks)
 
 
@@ -397,7 +401,7 @@ def _unrolled(
 ) -> tuple[Array, State, tuple]:
     """The layers as an unrolled loop, each on its own state buffer (``decode_step``, ``verify``):
     (logits [B, T, V], the new state, per layer the ``trace`` collection it sowed, if one is named)."""
-    with weights_in_own_buffers() if _is_unstacked(params) else contextlib.nullcontext():
+    with weights_in_own_buffers() if _is_unstacked(params) else contextlib.nullcontext(), model_target(tokens_BxT):
         return _unrolled_layers(cfg, params, tokens_BxT, state, lengths_B, trace)
 
 

@@ -10,8 +10,22 @@ MOSAIC_KERNELS = ("gla_mosaic_fwd", "gla_mosaic_bwd")  # the Mosaic kernels' nam
 MOSAIC_STEP_KERNEL = "gla_mosaic_step"  # the Mosaic decode-step kernels' names
 MOSAIC_CONV_KERNEL = "short_conv_mosaic_step"
 MOSAIC_MATMUL_KERNEL = "matmul_mosaic_rows"  # ops/matmul/mosaic.py: few-row products (decode, short prefill)
+# ops/norm/mosaic.py: RMSNorm forward, backward, and the same after a residual add
+MOSAIC_NORM_KERNELS = (
+    "rms_norm_mosaic_fwd",
+    "rms_norm_mosaic_bwd",
+    "rms_norm_residual_mosaic_fwd",
+    "rms_norm_residual_mosaic_bwd",
+)
+MOSAIC_SWIGLU_KERNELS = ("swiglu_mosaic_fwd", "swiglu_mosaic_bwd")  # ops/swiglu/mosaic.py: silu(gate) * up
 # the kernels profiled whole, at each call's own sizes
-MOSAIC_DECODE_KERNELS = (MOSAIC_STEP_KERNEL, MOSAIC_CONV_KERNEL, MOSAIC_MATMUL_KERNEL)
+MOSAIC_DECODE_KERNELS = (
+    MOSAIC_STEP_KERNEL,
+    MOSAIC_CONV_KERNEL,
+    MOSAIC_MATMUL_KERNEL,
+    *MOSAIC_NORM_KERNELS,
+    *MOSAIC_SWIGLU_KERNELS,
+)
 # the XLA kernels' named scopes, as compiled HLO's op names show them (hlo_stats.gla_kernels)
 XLA_SCORES_SCOPE = "gla_scores_{layout}"  # the chunk kernel's intra-chunk scores ("full" or "blocks")
 XLA_STEP_SCOPE = "gla_step_xla"
