@@ -143,14 +143,19 @@ def _params() -> Any:
     return pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=VMEM_LIMIT)
 
 
-def _forward(x: Array, g: Array, z: Array | None, eps: float, out_dtype: Any, interpret: bool) -> Array:
+def _blocks(x: Array, g: Array) -> tuple:
+    """(rows, D, w, the grid, the row block's spec, the gain's spec) of x [rows, D], gain [1, w]."""
     (N, D), w = x.shape, g.shape[1]
     b = row_block(N, D)
-    rows, gain = pl.BlockSpec((b, D), lambda i: (i, 0)), pl.BlockSpec((1, w), lambda i: (0, 0))
+    return N, D, w, (N // b,), pl.BlockSpec((b, D), lambda i: (i, 0)), pl.BlockSpec((1, w), lambda i: (0, 0))
+
+
+def _forward(x: Array, g: Array, z: Array | None, eps: float, out_dtype: Any, interpret: bool) -> Array:
+    N, D, w, grid, rows, gain = _blocks(x, g)
     gated = z is not None
     return pl.pallas_call(
         functools.partial(_forward_kernel, eps=eps, gated=gated, groups=D // w),
-        grid=(N // b,),
+        grid=grid,
         in_specs=[rows, gain, *([rows] if gated else [])],
         out_specs=rows,
         out_shape=jax.ShapeDtypeStruct((N, D), out_dtype),
@@ -161,15 +166,13 @@ def _forward(x: Array, g: Array, z: Array | None, eps: float, out_dtype: Any, in
 
 
 def _backward(x: Array, g: Array, z: Array | None, dy: Array, eps: float, interpret: bool) -> tuple:
-    (N, D), w = x.shape, g.shape[1]
-    b = row_block(N, D)
-    rows, gain = pl.BlockSpec((b, D), lambda i: (i, 0)), pl.BlockSpec((1, w), lambda i: (0, 0))
+    N, D, w, grid, rows, gain = _blocks(x, g)
     gated = z is not None
-    out = [jax.ShapeDtypeStruct((N, D), x.dtype), jax.ShapeDtypeStruct((N // b, 1, w), jnp.float32)]
+    out = [jax.ShapeDtypeStruct((N, D), x.dtype), jax.ShapeDtypeStruct((grid[0], 1, w), jnp.float32)]
     out_specs = [rows, pl.BlockSpec((1, 1, w), lambda i: (i, 0, 0))]
     grads = pl.pallas_call(
         functools.partial(_backward_kernel, eps=eps, gated=gated, groups=D // w),
-        grid=(N // b,),
+        grid=grid,
         in_specs=[rows, gain, *([rows] if gated else []), rows],
         out_specs=out_specs + ([rows] if gated else []),
         out_shape=out + ([jax.ShapeDtypeStruct((N, D), z.dtype)] if gated else []),
@@ -217,12 +220,10 @@ _norm.defvjp(_norm_fwd, _norm_bwd)
 
 
 def _residual_forward(x: Array, h: Array, g: Array, eps: float, out_dtype: Any, interpret: bool) -> tuple:
-    (N, D), w = x.shape, g.shape[1]
-    b = row_block(N, D)
-    rows, gain = pl.BlockSpec((b, D), lambda i: (i, 0)), pl.BlockSpec((1, w), lambda i: (0, 0))
+    N, D, w, grid, rows, gain = _blocks(x, g)
     r, y = pl.pallas_call(
         functools.partial(_residual_forward_kernel, eps=eps, groups=D // w),
-        grid=(N // b,),
+        grid=grid,
         in_specs=[rows, rows, gain],
         out_specs=[rows, rows],
         out_shape=[jax.ShapeDtypeStruct((N, D), x.dtype), jax.ShapeDtypeStruct((N, D), out_dtype)],
@@ -234,15 +235,13 @@ def _residual_forward(x: Array, h: Array, g: Array, eps: float, out_dtype: Any, 
 
 
 def _residual_backward(r: Array, g: Array, dy: Array, dr: Array, eps: float, interpret: bool) -> tuple:
-    (N, D), w = r.shape, g.shape[1]
-    b = row_block(N, D)
-    rows, gain = pl.BlockSpec((b, D), lambda i: (i, 0)), pl.BlockSpec((1, w), lambda i: (0, 0))
+    N, D, w, grid, rows, gain = _blocks(r, g)
     dx, dg = pl.pallas_call(
         functools.partial(_residual_backward_kernel, eps=eps, groups=D // w),
-        grid=(N // b,),
+        grid=grid,
         in_specs=[rows, gain, rows, rows],
         out_specs=[rows, pl.BlockSpec((1, 1, w), lambda i: (i, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((N, D), r.dtype), jax.ShapeDtypeStruct((N // b, 1, w), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((N, D), r.dtype), jax.ShapeDtypeStruct((grid[0], 1, w), jnp.float32)],
         compiler_params=_params(),
         interpret=interpret,
         name=MOSAIC_NORM_KERNELS[3],
