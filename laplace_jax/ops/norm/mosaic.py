@@ -65,8 +65,8 @@ def takes(rows: int, features: int) -> bool:
     return row_block(rows, features) is not None
 
 
-def _swish(z: Array) -> tuple[Array, Array]:
-    """(z sigmoid(z), its derivative), elementwise."""
+def swish(z: Array) -> tuple[Array, Array]:
+    """(z sigmoid(z), its derivative), elementwise: the gate here and SwiGLU's silu (``ops.swiglu``)."""
     sig = jax.nn.sigmoid(z)
     return z * sig, sig * (1 + z * (1 - sig))
 
@@ -109,7 +109,7 @@ def _forward_kernel(x_ref, g_ref, *refs, eps: float, gated: bool, groups: int):
     z_ref, y_ref = refs if gated else (None, *refs)
     y = _normalized(x_ref[...].astype(jnp.float32), g_ref[...], groups, eps)
     if gated:
-        y = y * _swish(z_ref[...].astype(jnp.float32))[0]
+        y = y * swish(z_ref[...].astype(jnp.float32))[0]
     y_ref[...] = y.astype(y_ref.dtype)
 
 
@@ -117,7 +117,7 @@ def _backward_kernel(x_ref, g_ref, *refs, eps: float, gated: bool, groups: int):
     z_ref, dy_ref, dx_ref, dg_ref, dz_ref = refs if gated else (None, *refs, None)
     x, dy, g = x_ref[...].astype(jnp.float32), dy_ref[...].astype(jnp.float32), _tiled(g_ref[...], groups)
     if gated:
-        a, da = _swish(z_ref[...].astype(jnp.float32))
+        a, da = swish(z_ref[...].astype(jnp.float32))
         s = jax.lax.rsqrt(_group_mean(x * x, groups) + eps)
         dz_ref[...] = (dy * x * s * g * da).astype(dz_ref.dtype)
         dy = dy * a

@@ -8,7 +8,7 @@ rounding once:
     forward   y = silu(gate) up,  silu(z) = z s,  s = sigmoid(z)
     backward  dgate = dy up silu'(gate),  dup = dy silu(gate),  silu'(z) = s (1 + z (1 - s))
 
-Row blocks as the RMSNorm kernels' (``ops.norm.mosaic.row_block``). ``swiglu`` runs the kernels in
+Row blocks and silu as the RMSNorm kernels' (``ops.norm.mosaic.row_block``, ``swish``). ``swiglu`` runs the kernels in
 programs compiled for a TPU and ``naive`` elsewhere, inside one custom VJP either way (its
 residuals are gate and up on every backend).
 """
@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from laplace_jax.ops.gla.limits import MOSAIC_SWIGLU_KERNELS
-from laplace_jax.ops.norm.mosaic import VMEM_LIMIT, on_tpu, row_block
+from laplace_jax.ops.norm.mosaic import VMEM_LIMIT, on_tpu, row_block, swish
 from laplace_jax.ops.swiglu import naive
 
 Array = jax.Array
@@ -34,18 +34,12 @@ def takes(rows: int, features: int) -> bool:
     return row_block(rows, features) is not None
 
 
-def _silu(z: Array) -> tuple[Array, Array]:
-    """(silu(z), its derivative), elementwise."""
-    sig = jax.nn.sigmoid(z)
-    return z * sig, sig * (1 + z * (1 - sig))
-
-
 def _forward_kernel(gate_ref, up_ref, y_ref):
-    y_ref[...] = (_silu(gate_ref[...].astype(jnp.float32))[0] * up_ref[...].astype(jnp.float32)).astype(y_ref.dtype)
+    y_ref[...] = (swish(gate_ref[...].astype(jnp.float32))[0] * up_ref[...].astype(jnp.float32)).astype(y_ref.dtype)
 
 
 def _backward_kernel(gate_ref, up_ref, dy_ref, dgate_ref, dup_ref):
-    silu, dsilu = _silu(gate_ref[...].astype(jnp.float32))
+    silu, dsilu = swish(gate_ref[...].astype(jnp.float32))
     dy = dy_ref[...].astype(jnp.float32)
     dgate_ref[...] = (dy * up_ref[...].astype(jnp.float32) * dsilu).astype(dgate_ref.dtype)
     dup_ref[...] = (dy * silu).astype(dup_ref.dtype)
