@@ -159,8 +159,11 @@ def compile_target(x: jax.Array):
 
 def two_core_tpu(device) -> bool:
     """Whether ``device`` (a device or an abstract one) is a TPU with two TensorCores per chip
-    (v4, v5p: megacore), where few-row products take the Mosaic matmul (``layers.common.matmul``)."""
-    return device.platform == "tpu" and (getattr(device, "num_cores", None) or 1) >= 2
+    (v4, v5p: megacore), where few-row products take the Mosaic matmul (``layers.common.matmul``).
+    JAX 0.10.0's abstract device (the Neuron floor) names no platform, only a kind ("cpu",
+    "TPU v5p", ...), so the kind says whether it is a TPU there."""
+    name = getattr(device, "platform", None) or device.device_kind
+    return name.lower().startswith("tpu") and (getattr(device, "num_cores", None) or 1) >= 2
 
 
 @contextlib.contextmanager
