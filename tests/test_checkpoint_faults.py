@@ -110,8 +110,9 @@ def test_loaders_name_the_damaged_step_and_the_flag(runs, tmp_path):
 @pytest.mark.parametrize("context", [1, 2])
 def test_kill_9_during_checkpoint_writes_then_rerun_resumes_exactly(tmp_path, context):
     """train.py writing a checkpoint every step is killed with SIGKILL mid-run; the rerun resumes
-    from the last complete checkpoint and ends with the losses of an uninterrupted run. Also with
-    each sequence split over 2 devices (mesh.context=2)."""
+    from the last complete checkpoint (and the programs the killed run left in the compile cache)
+    and ends with the losses of an uninterrupted run. Also with each sequence split over 2 devices
+    (mesh.context=2)."""
     args = ["--config", "configs/tiny.py", "--config.train.steps=10", "--config.train.ckpt_every=1"]
     args += ["--config.train.eval_every=0", "--config.data.embedded_max_chars=300000"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -123,8 +124,9 @@ def test_kill_9_during_checkpoint_writes_then_rerun_resumes_exactly(tmp_path, co
         [sys.executable, "train.py", *args, f"--workdir={tmp_path / 'a'}"], cwd=ROOT, env=env,
         stdout=subprocess.DEVNULL, stderr=err,
     )  # fmt: skip
+    cache = f"--compile_cache_dir={tmp_path / 'compile_cache'}"  # the rerun loads the killed run's programs
     proc = subprocess.Popen(
-        [sys.executable, "train.py", *args, f"--workdir={tmp_path / 'b'}"], cwd=ROOT, env=env,
+        [sys.executable, "train.py", *args, cache, f"--workdir={tmp_path / 'b'}"], cwd=ROOT, env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -140,8 +142,9 @@ def test_kill_9_during_checkpoint_writes_then_rerun_resumes_exactly(tmp_path, co
     killed_at = newest()
     assert killed_at < 10
     again = subprocess.run(
-        [sys.executable, "train.py", *args, f"--workdir={tmp_path / 'b'}"], cwd=ROOT, env=env, capture_output=True
-    )
+        [sys.executable, "train.py", *args, cache, f"--workdir={tmp_path / 'b'}"], cwd=ROOT, env=env,
+        capture_output=True,
+    )  # fmt: skip
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed from step {killed_at}".encode() in again.stdout + again.stderr
     assert straight.wait(300) == 0, (tmp_path / "a.err").read_text()[-2000:]

@@ -106,9 +106,10 @@ def test_the_kernel_report_names_its_sources_and_compares_with_the_limit():
 @pytest.mark.parametrize("name", ["v5e", "v5p"])
 def test_the_mosaic_static_schedule_of_a_large_matmul_lands_near_the_peak(name):
     """The Mosaic time the reports use (the compiler's static schedule of the kernel, read under
-    its profile flag) for a compute-bound Pallas matmul: measured here at 87% (v5e) and 86% (v5p)
-    of the published peak, as the XLA matmul's estimate (88%, 90%); the same 80-100% band."""
-    res = run_mosaic_profile("--chip", name, "--calibration")
+    its profile flag) for a compute-bound Pallas matmul: at 4096^3 measured here at 86% (v5e) and
+    84% (v5p) of the published peak (the calibration table's 8192^3: 87%, 86%), as the XLA
+    matmul's estimate (88%, 90%); the same 80-100% band."""
+    res = run_mosaic_profile("--chip", name, "--calibration", "--n", "4096")
     chip = CHIPS[name]
     share = res["flops"] / (res["cycles"] / (chip.clock_ghz * 1e9)) / (chip.peak_bf16_tflops * 1e12)
     assert 0.80 <= share <= 1.0, share

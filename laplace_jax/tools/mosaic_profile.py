@@ -22,9 +22,10 @@ and the RMSNorm kernels (``rms_norm_mosaic_fwd`` / ``_bwd``, ``rms_norm_residual
 profiled once at the call's own sizes: their grids are small or their steps few bundles.
 The cycles are the compiler's static schedule, which counts no HBM transfer time: ``tpu`` sets
 it beside a DMA floor.
-``--calibration`` profiles a compute-bound Mosaic program instead, an 8192^3 bf16 matmul in
-512-wide tiles, whose cycles over the chip's clock give the share of its peak (the XLA matmul's
-estimate is 88-90%; ``tests/test_tpu.py`` holds this one to the same band).
+``--calibration`` profiles a compute-bound Mosaic program instead, an N^3 bf16 matmul in
+512-wide tiles (``--n``, 8192 by default: the calibration table's), whose cycles over the chip's
+clock give the share of its peak (the XLA matmul's estimate is 88-90%; ``tests/test_tpu.py`` holds
+the 4096^3 one, a ninth of the compile time, to the same band).
 """
 
 from __future__ import annotations
@@ -127,14 +128,14 @@ def kernel_args(kernel: str, heads: int, T: int, C: int, K: int, V: int, dtype: 
 CALIBRATION_N, CALIBRATION_TILE = 8192, 512
 
 
-def calibration_matmul():
-    """(fn, args): an N^3 bf16 matmul as a Pallas TPU kernel, fp32 accumulation in VMEM."""
+def calibration_matmul(n: int = CALIBRATION_N):
+    """(fn, args): an ``n``^3 bf16 matmul as a Pallas TPU kernel, fp32 accumulation in VMEM."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
-    n, t = CALIBRATION_N, CALIBRATION_TILE
+    t = CALIBRATION_TILE
 
     def kernel(x_ref, y_ref, o_ref, acc_ref):
         @pl.when(pl.program_id(2) == 0)
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "rms_norm_mosaic_fwd / _bwd: N,D,w,fp32_out,gated; swiglu_mosaic_fwd / _bwd: N,F)",
     )
     ap.add_argument("--calibration", action="store_true", help="the calibration matmul instead of a kernel")
+    ap.add_argument("--n", type=int, default=CALIBRATION_N, help="the calibration matmul's size (a multiple of 512)")
     ap.add_argument("--dtype", default="bfloat16", help="q, k, v dtype")
     ap.add_argument("--heads", default="2,4", help="head counts to compile (one batch row)")
     a = ap.parse_args(argv)
@@ -209,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         flag = f"--xla_jf_dump_static_llo_profile_to={dump}"
         os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {flag}".strip()
         if a.calibration:
-            cycles = _cycles(_compiled_text(a.chip, *calibration_matmul()), "calibration_matmul")
-            res = {"program": f"matmul {CALIBRATION_N}^3 bf16 (Mosaic)", "chip": a.chip, "cycles": cycles,
-                   "flops": 2 * CALIBRATION_N**3}  # fmt: skip
+            if a.n % CALIBRATION_TILE or a.n <= 0:
+                ap.error(f"--n must be a positive multiple of {CALIBRATION_TILE}; got {a.n}")
+            cycles = _cycles(_compiled_text(a.chip, *calibration_matmul(a.n)), "calibration_matmul")
+            res = {"program": f"matmul {a.n}^3 bf16 (Mosaic)", "chip": a.chip, "cycles": cycles, "flops": 2 * a.n**3}
         elif a.kernel in MOSAIC_DECODE_KERNELS:
             shape = tuple(int(x) for x in a.shape.split(","))
             cycles = [_cycles(_compiled_text(a.chip, *decode_args(a.kernel, shape, a.dtype)), a.kernel)]

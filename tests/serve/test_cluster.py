@@ -109,14 +109,15 @@ def _prefix_hits(url: str) -> float:
 def test_replicas_behind_sglang_router(tmp_path):
     """Two replicas and the router from one command: the openai client unmodified through it,
     requests sharing a long prefix land where it is cached, a replica killed under load costs only
-    the requests in flight on it and is seen down within 10 s, then rejoins; a replica of another
-    model is refused."""
+    the requests in flight on it and is seen down within 10 s, then rejoins, warmed from the
+    compile cache the replicas share; a replica of another model is refused."""
     model = _model_dir(tmp_path / "tiny", 0)
     port = portpicker.pick_unused_port()
     while any(not portpicker.is_port_free(port + i) for i in (1, 2)):
         port = portpicker.pick_unused_port()
     router, replicas = f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{port + i}" for i in (1, 2)]
     serve = ["--checkpoint", model, "--tokenizer", "byte", "--max-num-seqs", "4", "--max-model-len", "512"]
+    serve += ["--compile-cache-dir", str(tmp_path / "compile_cache")]  # shared: a restart re-warms from it
     log = open(tmp_path / "cluster.log", "wb")  # noqa: SIM115 (the launcher writes it until the end)
     proc = _launch(["--replicas", "2", "--port", str(port), "--restart", "--log-dir", str(tmp_path), "--", *serve], log)
     try:
@@ -143,6 +144,8 @@ def test_replicas_behind_sglang_router(tmp_path):
 
         _kill_one_under_load(router, replicas[0], port + 1)
         _wait_for(lambda: _healthy(router).get(replicas[0]) is True, 240, "the restarted replica did not rejoin")
+        metrics = httpx.get(replicas[0] + "/metrics", timeout=10).text  # its warmup read the others' programs
+        assert sample_sum(metrics, "laplace:compile_cache_hits_total") > 0
 
         _fronts_servers_started_elsewhere(tmp_path, replicas)
         _another_model_is_refused(tmp_path, replicas[1])
