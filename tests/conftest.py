@@ -36,3 +36,19 @@ def every_platform(monkeypatch):
     from laplace_jax.ops.gla.dispatch import TARGETS
 
     monkeypatch.setattr(platform, "lowerable_platforms", lambda: frozenset(TARGETS))
+
+
+@pytest.fixture(scope="session")
+def compile_cache_dir(tmp_path_factory):
+    """The suite's one persistent compilation cache folder, for the tests that opt in."""
+    return tmp_path_factory.mktemp("compile_cache")
+
+
+@pytest.fixture
+def compile_cache(compile_cache_dir):
+    """JAX's persistent compilation cache on for this test (``helpers.persistent_compile_cache``):
+    for tests that compile a program again (stop and resume), never for those that count compiles."""
+    from helpers import persistent_compile_cache
+
+    with persistent_compile_cache(compile_cache_dir):
+        yield

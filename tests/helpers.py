@@ -1,5 +1,6 @@
 """Small configs for training tests (seconds per run on CPU), and the sharded loss and gradients."""
 
+import contextlib
 import functools
 import os
 
@@ -11,11 +12,39 @@ from jax.sharding import PartitionSpec as P
 from laplace_jax.config import MeshConfig, ModelConfig, RunConfig
 from laplace_jax.defaults import base_config
 from laplace_jax.loss import loss_fn
+from laplace_jax.platform import set_compile_cache
 from laplace_jax.sharding import BATCH_AXES, make_mesh, param_shardings, param_specs
 from laplace_jax.train.step import fsdp_value_and_grad
 
 TESTS = os.path.dirname(os.path.abspath(__file__))  # the shared helpers and references live here
 ROOT = os.path.dirname(TESTS)  # the repository
+_CACHE_SETTINGS = (
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes",
+)
+
+
+@contextlib.contextmanager
+def persistent_compile_cache(path):
+    """JAX's persistent compilation cache under ``path`` while the block runs, as ``train.py
+    --compile_cache_dir`` sets it: a run of a program this process compiled before (a resume after
+    a stop, the same config in another test) loads it instead of compiling it again. The settings
+    before it are restored after, and the cache is closed, so tests outside it compile as before."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = {k: getattr(jax.config, k) for k in _CACHE_SETTINGS}
+    neuron = os.environ.get("NEURON_COMPILE_CACHE_URL")
+    set_compile_cache(str(path))
+    compilation_cache.reset_cache()  # the next compile opens the cache at path
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            jax.config.update(k, v)
+        if neuron is None:
+            os.environ.pop("NEURON_COMPILE_CACHE_URL", None)
+        compilation_cache.reset_cache()
 
 
 def micro_config(**sections):

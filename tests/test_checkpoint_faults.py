@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, micro_config
+from helpers import ROOT, micro_config, persistent_compile_cache
 
 from laplace_jax.checkpoint import CHECKSUMS, damage, load_trained
 from laplace_jax.errors import CheckpointError
@@ -20,8 +20,15 @@ from laplace_jax.train.loop import run
 CFG = dict(train=dict(steps=12, ckpt_every=4))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compile_cache(compile_cache_dir):
+    """Every run here compiles the same step: the persistent cache compiles it once."""
+    with persistent_compile_cache(compile_cache_dir):
+        yield
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, _compile_cache):
     """An uninterrupted 12-step run, and a run stopped at step 8 (checkpoints 4, 8) to damage."""
     root = tmp_path_factory.mktemp("runs")
     straight = run(micro_config(**CFG), str(root / "straight"), devices=jax.devices()[:1], log=lambda *_: None)

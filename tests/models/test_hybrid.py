@@ -279,6 +279,7 @@ def _quiet(*_):
     pass
 
 
+@pytest.mark.usefixtures("compile_cache")  # the resume compiles nothing new
 def test_hybrid_trains_resumes_exactly_and_fsdp_equals_one_device(tmp_path):
     attn = dict(attn=dict(layers=[1], num_heads=4, num_kv_heads=2, window_size=24, qkv_bias=True))
     cfg = micro_config(model=attn, train=dict(steps=8, ckpt_every=4))

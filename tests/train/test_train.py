@@ -54,6 +54,7 @@ def test_loss_decreases_on_embedded_corpus(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("compile_cache")  # the resume compiles nothing new
 def test_resume_is_exact(tmp_path):
     cfg = micro_config(train=dict(steps=12, ckpt_every=4))
     straight = run(cfg, str(tmp_path / "a"), devices=jax.devices()[:1], log=_quiet)
@@ -69,6 +70,7 @@ def test_resume_is_exact(tmp_path):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), pa, pb)
 
 
+@pytest.mark.usefixtures("compile_cache")  # the resume compiles nothing new
 def test_trains_on_prepared_shards_and_on_a_mixture_with_exact_resume(tmp_path):
     """data.path on a sharded dataset from prepare, and data.sources mixing it with mqar: 8 steps
     straight equal 4 steps, a stop, and a resume, bit for bit."""
