@@ -176,9 +176,8 @@ class RMSNorm(nn.Module):
         if h is None:
             return rms_norm(x, w, self.eps, self.dtype)
         if not row_kernels(x, ops_norm.takes):
-            r = x + h
-            return r, ops_norm.rms_norm(r, w, self.eps, self.dtype)
-        return ops_norm.residual_rms_norm(x, h, w, self.eps, self.dtype)
+            return ops_norm.residual_rms_norm(x, h, w, self.eps, self.dtype)
+        return ops_norm.mosaic_residual_rms_norm(x, h, w, self.eps, self.dtype)
 
 
 class GatedRMSNorm(nn.Module):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from laplace_jax.ops.norm import mosaic_rms_norm, residual_rms_norm, rms_norm, takes
+from laplace_jax.ops.norm import mosaic_residual_rms_norm, mosaic_rms_norm, rms_norm, takes
 from laplace_jax.ops.norm.mosaic import BLOCK_ELEMENTS, row_block
 
 EPS = 1e-6
@@ -110,7 +110,7 @@ def test_the_residual_norm_is_the_add_then_the_float64_norm(dtype):
     x, g, _ = _inputs(64, 384, False, seed=11)
     h, _, _ = _inputs(64, 384, False, seed=12)
     x, h = x.astype(dtype), h.astype(dtype)
-    r, y = jax.jit(lambda *a: residual_rms_norm(*a, EPS, jnp.float32, interpret=True))(x, h, g)
+    r, y = jax.jit(lambda *a: mosaic_residual_rms_norm(*a, EPS, jnp.float32, interpret=True))(x, h, g)
     np.testing.assert_array_equal(np.asarray(r, np.float64), np.asarray(x + h, np.float64))
     want = _norm64(*_f64(r, g, None))
     assert np.all(np.abs(np.asarray(y, np.float64) - want) <= 1e-6 * np.max(np.abs(want), axis=-1, keepdims=True))
@@ -125,7 +125,7 @@ def test_the_residual_norms_gradients_are_the_float64_ones():
     ct_r, ct_y = (jnp.asarray(r.standard_normal((48, 256)), jnp.float32) for _ in range(2))
 
     def ours(x, h, g):
-        r, y = residual_rms_norm(x, h, g, EPS, jnp.float32, interpret=True)
+        r, y = mosaic_residual_rms_norm(x, h, g, EPS, jnp.float32, interpret=True)
         return jnp.sum(r * ct_r) + jnp.sum(y * ct_y)
 
     got = jax.grad(ours, argnums=(0, 1, 2))(x, h, g)

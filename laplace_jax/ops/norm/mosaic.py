@@ -139,7 +139,8 @@ def _residual_backward_kernel(r_ref, g_ref, dy_ref, dr_ref, dx_ref, dg_ref, *, e
     dg_ref[...] = _gain_grad(dy, n, groups)
 
 
-def _params() -> Any:
+def compiler_params() -> Any:
+    """A row kernel's grid is parallel (megacore chips split it), under ``VMEM_LIMIT``."""
     return pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=VMEM_LIMIT)
 
 
@@ -159,7 +160,7 @@ def _forward(x: Array, g: Array, z: Array | None, eps: float, out_dtype: Any, in
         in_specs=[rows, gain, *([rows] if gated else [])],
         out_specs=rows,
         out_shape=jax.ShapeDtypeStruct((N, D), out_dtype),
-        compiler_params=_params(),
+        compiler_params=compiler_params(),
         interpret=interpret,
         name=MOSAIC_NORM_KERNELS[0],
     )(x, g, *([z] if gated else []))
@@ -176,7 +177,7 @@ def _backward(x: Array, g: Array, z: Array | None, dy: Array, eps: float, interp
         in_specs=[rows, gain, *([rows] if gated else []), rows],
         out_specs=out_specs + ([rows] if gated else []),
         out_shape=out + ([jax.ShapeDtypeStruct((N, D), z.dtype)] if gated else []),
-        compiler_params=_params(),
+        compiler_params=compiler_params(),
         interpret=interpret,
         name=MOSAIC_NORM_KERNELS[1],
     )(x, g, *([z] if gated else []), dy)
@@ -227,7 +228,7 @@ def _residual_forward(x: Array, h: Array, g: Array, eps: float, out_dtype: Any, 
         in_specs=[rows, rows, gain],
         out_specs=[rows, rows],
         out_shape=[jax.ShapeDtypeStruct((N, D), x.dtype), jax.ShapeDtypeStruct((N, D), out_dtype)],
-        compiler_params=_params(),
+        compiler_params=compiler_params(),
         interpret=interpret,
         name=MOSAIC_NORM_KERNELS[2],
     )(x, h, g)
@@ -242,22 +243,17 @@ def _residual_backward(r: Array, g: Array, dy: Array, dr: Array, eps: float, int
         in_specs=[rows, gain, rows, rows],
         out_specs=[rows, pl.BlockSpec((1, 1, w), lambda i: (i, 0, 0))],
         out_shape=[jax.ShapeDtypeStruct((N, D), r.dtype), jax.ShapeDtypeStruct((grid[0], 1, w), jnp.float32)],
-        compiler_params=_params(),
+        compiler_params=compiler_params(),
         interpret=interpret,
         name=MOSAIC_NORM_KERNELS[3],
     )(r, g, dy, dr)
     return dx, dg.sum(axis=(0, 1))[None].astype(g.dtype)
 
 
-def _naive_residual(x: Array, h: Array, g: Array, eps: float, out_dtype: Any) -> tuple[Array, Array]:
-    r = (x + h).astype(x.dtype)
-    return r, naive.rms_norm(r, g[0], eps, out_dtype)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _residual_norm(x: Array, h: Array, g: Array, eps: float, out_dtype: Any, interpret: bool) -> tuple:
     kernel = lambda x, h, g: _residual_forward(x, h, g, eps, out_dtype, interpret)  # noqa: E731
-    plain = lambda x, h, g: _naive_residual(x, h, g, eps, out_dtype)  # noqa: E731
+    plain = lambda x, h, g: naive.residual_rms_norm(x, h, g[0], eps, out_dtype)  # noqa: E731
     return on_tpu(kernel, plain, interpret)(x, h, g)
 
 

@@ -27,3 +27,9 @@ def rms_norm(x: Array, gain: Array, eps: float, out_dtype: Any, gate: Array | No
         gate = gate.astype(jnp.float32).reshape(heads.shape)
         y = y * gate * jax.nn.sigmoid(gate)
     return y.astype(out_dtype).reshape(x.shape)
+
+
+def residual_rms_norm(x: Array, h: Array, gain: Array, eps: float, out_dtype: Any) -> tuple[Array, Array]:
+    """(r, rms_norm(r)) with r = x + h: a pre-norm block's residual add and the next norm."""
+    r = x + h
+    return r, rms_norm(r, gain, eps, out_dtype)

@@ -20,10 +20,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from laplace_jax.ops.gla.limits import MOSAIC_SWIGLU_KERNELS
-from laplace_jax.ops.norm.mosaic import VMEM_LIMIT, on_tpu, row_block, swish
+from laplace_jax.ops.norm.mosaic import compiler_params, on_tpu, row_block, swish
 from laplace_jax.ops.swiglu import naive
 
 Array = jax.Array
@@ -55,7 +54,7 @@ def _call(kernel, name: str, operands: tuple[Array, ...], outputs: int, interpre
         in_specs=[rows] * len(operands),
         out_specs=[rows] * outputs,
         out_shape=[jax.ShapeDtypeStruct((N, F), operands[0].dtype)] * outputs,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=VMEM_LIMIT),
+        compiler_params=compiler_params(),
         interpret=interpret,
         name=name,
     )(*operands)
