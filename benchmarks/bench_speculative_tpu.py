@@ -3,7 +3,8 @@ steps, for a model config (the 3B model by default), without a TPU.
 
     JAX_PLATFORMS=cpu python -m benchmarks.bench_speculative_tpu --out benchmarks/results/speculative_tpu.json
 
-Per decode width W (the rows of one chip), compiled for ``--topology`` with bf16 weights:
+Per decode width W (the rows of one chip), compiled for ``--topology`` with bf16 weights placed as
+serving places them there (``serve.programs.placed_weights``: per layer on a two-core TPU):
 
 - ``plain``: serving's decode program with K + 1 steps per call (K + 1 tokens per row);
 - ``verify``: one speculative step (``slot_programs._verify_step``: K + 1 tokens through the model,
@@ -34,7 +35,7 @@ from laplace_jax.layers.common import TRACES
 from laplace_jax.models.gla_lm import abstract_params, prefill
 from laplace_jax.serve import slot_programs
 from laplace_jax.serve.config import ServeConfig
-from laplace_jax.serve.programs import serving_programs
+from laplace_jax.serve.programs import placed_weights, serving_programs
 from laplace_jax.tools.tpu_check import _serving_cfg, compile_for_tpu
 from laplace_jax.tpu import estimate, tpu_devices
 
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = _serving_cfg(load_run_config(a.config))
     spec = ServeConfig(speculative_config=f'{{"method": "ngram", "num_speculative_tokens": {a.k}}}').speculation()
     mesh = Mesh(np.asarray(devices[:1]), ("data",))
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
+    bf16 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), abstract_params(cfg))
+    params = jax.eval_shape(lambda p: placed_weights(cfg, p, devices[0]), bf16)  # as serving places them
     N = a.k + 1
     res = {"config": a.config, "topology": a.topology, "k": a.k, "label": "TPU compiler estimate", "widths": {}}
     res["verify_impl"] = a.verify_impl
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         plain_s = _seconds(compile_for_tpu(plain_fn, plain_args, donate=donate), chip)
         lay = slot_programs.SlotLayout(cfg, mesh, "threefry2x32", 1, 64, spec, cfg.max_seq_len)
         *_, args, _ = serving_programs(lay, params, W, 64, [W])[-1]
-        p_args, slots, table = args
+        p_args, slots, table, _ = args  # the last: decode's steps per call, which the verify does not take
         draft = jax.ShapeDtypeStruct((W, a.k), jnp.int32, sharding=slots["rows"]["token"].sharding)
 
         def verify(p, sub, g, d, lay=lay):

@@ -46,6 +46,7 @@ from laplace_jax.ops.gla.limits import (
     MOSAIC_NORM_KERNELS,
     MOSAIC_STEP_KERNEL,
     MOSAIC_SWIGLU_KERNELS,
+    matmul_form,
 )
 
 LABEL = "TPU compiler estimate (its cost model's estimated_cycles), not a measurement"
@@ -222,20 +223,21 @@ def mosaic_call(module: Module, comp: str, ins: Any) -> dict[str, Any] | None:
     if kernel == MOSAIC_STEP_KERNEL:  # q, k, g [H, K, B], v [H, V, B], state [H, K, V, B]
         (H, K, B), (dtype, (_, V, _)) = operands[0][1], operands[3]
         return {"kernel": kernel, "shape": (B, H, K, V), "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
-    if kernel == MOSAIC_MATMUL_KERNEL:  # x [M, I], w [I, O] -> [M, O]: the shape says whether out is fp32
-        (dtype, (M, I)), (_, (_, O)) = operands
-        shape = (M, I, O, int(arrays(ins.type)[0][0] == "f32"))
+    if kernel == MOSAIC_MATMUL_KERNEL:  # x [M, I], w [I, O] (, r [M, O] or u [I, O]) -> [M, O]
+        (dtype, (M, I)), (_, (_, O)) = operands[:2]
+        form = matmul_form([dims for _, dims in operands])  # plain, residual or gated (ops/matmul/mosaic.py)
+        shape = (M, I, O, int(arrays(ins.type)[0][0] == "f32"), form)
         return {"kernel": kernel, "shape": shape, "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
     if kernel in MOSAIC_NORM_KERNELS[:2]:  # x [N, D], gain [1, w] (, gate [N, D]) (, dy [N, D]) -> y (, dx, dg (, dz))
         bwd = kernel == MOSAIC_NORM_KERNELS[1]
         gated = len(operands) == 3 + bwd
-        (dtype, (N, D)), w, out = operands[0], operands[1][1][1], operands[-1][0] if bwd else arrays(ins.type)[0][0]
-        shape = (N, D, w, int(out == "f32"), int(gated))
+        (dtype, (N, D)), w, out = operands[0], operands[1][1][-1], operands[-1][0] if bwd else arrays(ins.type)[0][0]
+        shape = (N, D, w, int(out == "f32"), int(gated), int(operands[1][0] == "f32"))
         return {"kernel": kernel, "shape": shape, "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
     if kernel in MOSAIC_NORM_KERNELS[2:]:  # x, h, gain [1, D] -> (r, y); r, gain, dy, dr -> (dx, dg)
         bwd = kernel == MOSAIC_NORM_KERNELS[3]
         (dtype, (N, D)), out = operands[0], operands[2][0] if bwd else arrays(ins.type)[1][0]
-        shape = (N, D, D, int(out == "f32"), 0)
+        shape = (N, D, D, int(out == "f32"), 0, int(operands[1 if bwd else 2][0] == "f32"))
         return {"kernel": kernel, "shape": shape, "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
     if kernel in MOSAIC_SWIGLU_KERNELS:  # gate, up (, dy) [N, F]
         dtype, (N, F) = operands[0]

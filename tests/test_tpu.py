@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from laplace_jax.ops.gla.limits import GATED, PLAIN, RESIDUAL
 from laplace_jax.tpu import CHIPS, estimate, memory, report, run_mosaic_profile, tpu_devices
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
@@ -394,7 +395,7 @@ def test_norms_and_swiglu_are_mosaic_kernels_forward_and_backward(topology):
     calls: dict[tuple, float] = {}
     for m in est["mosaic"]:
         if m["kernel"].startswith(("rms_norm", "swiglu")):
-            key = (m["kernel"], *m["shape"][4:])  # the norms: gated or not
+            key = (m["kernel"], *m["shape"][4:5])  # the norms: gated or not
             calls[key] = calls.get(key, 0) + m["calls"]
             assert m["schedule_s"] > 0 and m["dma_floor_s"] == dma_floor(chip, m["bytes"])
     plain, layers = cfg.n_layers + 1, cfg.n_layers  # attn_norm and the final norm; mlp_norm takes the add
@@ -410,15 +411,18 @@ def test_norms_and_swiglu_are_mosaic_kernels_forward_and_backward(topology):
     assert not any("Mosaic" in k or k == "reshape" for k in est["unestimated"]), est["unestimated"]
 
 
-@pytest.mark.parametrize("topology, form, matmuls", [("v5p:1x1x1", "per-layer", 8), ("v5p:1x1x1", "stacked", 0),
-                                                      ("v5e:1x1", "per-layer", 0)])  # fmt: skip
-def test_few_row_products_are_the_mosaic_matmul_where_weights_have_their_own_buffers(topology, form, matmuls):
+@pytest.mark.parametrize(
+    "topology, form", [("v5p:1x1x1", "per-layer"), ("v5p:1x1x1", "stacked"), ("v5e:1x1", "per-layer")]
+)
+def test_few_row_products_are_the_mosaic_matmul_where_weights_have_their_own_buffers(topology, form):
     """The decode step at 128 rows, two layers of d_model 512, a vocabulary of 256. On v5p (two TensorCores) with each
     layer's weights in its own buffers (``unstack_weights``, serving's TPU form), every
-    projection whose widths are lane tiles is the Mosaic matmul (per layer q, k, v, g, o, gate,
-    up, down: 8 x 2, and the head), counted (never unestimated), and no weight is copied; with
-    the weights stacked the XLA dots read the slices in place and no matmul kernel runs; on v5e
-    (one core) neither form runs it."""
+    projection whose widths are lane tiles is the Mosaic matmul, counted (never unestimated): per
+    layer q, k, v, g and o plain, gate and up as one call with SwiGLU's gate in it (no SwiGLU
+    kernel runs), down with the residual add in it, and the head; no weight is copied and no
+    weight is converted (the conv and norm kernels read bf16 weights as stored). With the weights
+    stacked the XLA dots read the slices in place and no matmul kernel runs; on v5e (one core)
+    neither form runs it."""
     from laplace_jax.config import ModelConfig
     from laplace_jax.models.gla_lm import abstract_params, decode_step, init_state, unstack_weights
     from laplace_jax.tools.tpu_check import compile_for_tpu
@@ -433,13 +437,19 @@ def test_few_row_products_are_the_mosaic_matmul_where_weights_have_their_own_buf
     step = lambda p, t, s: decode_step(cfg, p, t, s)  # noqa: E731
     compiled = compile_for_tpu(step, (params, jax.ShapeDtypeStruct((B,), jnp.int32), state), devices, donate=(2,))
     est = report(compiled, chip, "decode")["estimate"]
-    found = [m for m in est["mosaic"] if m["kernel"] == "matmul_mosaic_rows"]
-    assert len(found) == (matmuls * cfg.n_layers + 1 if matmuls else 0), [m["shape"] for m in found]
+    L, kernels = cfg.n_layers, topology.startswith("v5p") and form == "per-layer"
+    matmuls = [m for m in est["mosaic"] if m["kernel"] == "matmul_mosaic_rows"]
+    forms = Counter({form: 0 for form in (PLAIN, RESIDUAL, GATED)})
+    for m in matmuls:
+        forms[m["shape"][4]] += m["calls"]
+    assert forms == (Counter({PLAIN: 5 * L + 1, RESIDUAL: L, GATED: L}) if kernels else Counter()), forms
     rows = Counter(m["kernel"] for m in est["mosaic"] if m["kernel"].startswith(("rms_norm", "swiglu")))
     # the row kernels in every layer, either weight form, on v5p (also after a Mosaic matmul, whose
-    # output names no device: ``layers.common.model_target``); none on v5e
-    L = cfg.n_layers
-    want = {"rms_norm_mosaic_fwd": 2 * L + 1, "rms_norm_residual_mosaic_fwd": L, "swiglu_mosaic_fwd": L}
+    # output names no device: ``layers.common.model_target``; SwiGLU's gate inside the gated
+    # matmul where that runs); none on v5e
+    want = {"rms_norm_mosaic_fwd": 2 * L + 1, "rms_norm_residual_mosaic_fwd": L}
+    if not kernels:
+        want["swiglu_mosaic_fwd"] = L
     assert rows == (want if topology.startswith("v5p") else {}), rows
     assert not any("Mosaic" in k for k in est["unestimated"])
     if form == "per-layer":  # no weight is rewritten in HBM (S(1): the compiler's prefetches into VMEM)
@@ -448,6 +458,8 @@ def test_few_row_products_are_the_mosaic_matmul_where_weights_have_their_own_buf
         made = re.finditer(r"= \(?(bf16\[[\d,]+\])(\{[^}]*\})? ([a-z-]+)\(", text[text.index("ENTRY") :])
         written = {m.group(1) for m in made if m.group(3) not in _NOT_WRITTEN and "S(1)" not in (m.group(2) or "")}
         assert not written & weights, written & weights
+        converts = re.findall(r"= (\S+) convert\(", text[text.index("ENTRY") :])
+        assert not (kernels and converts), converts
 
 
 _NOT_WRITTEN = ("parameter", "bitcast", "get-tuple-element")

@@ -1,4 +1,5 @@
-"""Building blocks shared by the GLA layers: Linear, RMSNorm, gated RMSNorm, short conv, SwiGLU MLP.
+"""Building blocks shared by the GLA layers: Linear (and Weight, a projection's weight alone),
+RMSNorm, gated RMSNorm, short conv, SwiGLU MLP.
 
 Parameters are float32 and carry logical axis names (no mesh names); compute happens in the
 module's ``dtype`` and norms in float32, as in flash-linear-attention. How a parameter is
@@ -58,8 +59,16 @@ class Embedding(nn.Module):
         return gathered(table, ("vocab", "embed"), self.dtype)
 
 
+def _kernel_param(module: nn.Module, shape: tuple[int, int], axes: tuple[str, str], init_std: float, dtype) -> Array:
+    """A projection's weight [in, out] (fp32 parameter ``kernel``), gathered for use in ``dtype``."""
+    kernel = sharded_param(module, "kernel", nn.initializers.normal(init_std), shape, axes)
+    return gathered(kernel, axes, dtype)
+
+
 class Linear(nn.Module):
-    """y = x @ kernel (+ bias). kernel: [in, out] fp32; ``fp32_out`` keeps the product in float32."""
+    """y = x @ kernel (+ bias) (+ residual). kernel: [in, out] fp32; ``fp32_out`` keeps the product
+    in float32. A residual like y is added last, inside the product's kernel where ``matmul``
+    runs one (a pre-norm block's add after its last projection)."""
 
     features: int
     axes: tuple[str, str]
@@ -69,16 +78,29 @@ class Linear(nn.Module):
     fp32_out: bool = False
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, residual: Array | None = None) -> Array:
         shape = (x.shape[-1], self.features)  # activations keep their full width on every device
-        kernel = sharded_param(self, "kernel", nn.initializers.normal(self.init_std), shape, self.axes)
         out_dtype = jnp.float32 if self.fp32_out else self.dtype
-        w = gathered(kernel, self.axes, self.dtype)
-        y = matmul(x.astype(self.dtype), w, out_dtype)
-        if self.use_bias:
-            bias = sharded_param(self, "bias", nn.initializers.zeros, (self.features,), self.axes[1:])
-            y = y + gathered(bias, self.axes[1:], jnp.float32).astype(out_dtype)
-        return y
+        w = _kernel_param(self, shape, self.axes, self.init_std, self.dtype)
+        if not self.use_bias:
+            return matmul(x.astype(self.dtype), w, out_dtype, residual)
+        bias = sharded_param(self, "bias", nn.initializers.zeros, (self.features,), self.axes[1:])
+        y = matmul(x.astype(self.dtype), w, out_dtype) + gathered(bias, self.axes[1:], jnp.float32).astype(out_dtype)
+        return y if residual is None else residual + y
+
+
+class Weight(nn.Module):
+    """A projection's weight alone (a ``Linear``'s parameter ``kernel`` [in, out], same name and
+    init), gathered in ``dtype``: for a product whose kernel takes two weights (``gated_matmul``)."""
+
+    features: int
+    axes: tuple[str, str]
+    dtype: jnp.dtype = jnp.float32
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, in_features: int) -> Array:
+        return _kernel_param(self, (in_features, self.features), self.axes, self.init_std, self.dtype)
 
 
 _OWN_BUFFERS: contextvars.ContextVar[bool] = contextvars.ContextVar("weights_in_own_buffers", default=False)
@@ -97,32 +119,67 @@ def weights_in_own_buffers() -> Iterator[None]:
         _OWN_BUFFERS.reset(token)
 
 
-def matmul(x: Array, w_IxO: Array, out_dtype: Any) -> Array:
-    """x [.., I] @ w [I, O] with ``out_dtype`` accumulation. Inside ``weights_in_own_buffers``,
-    in a program compiled for a TPU with two TensorCores per chip (v4, v5p), a product of at most
-    512 rows (decode, short prefill) is the Mosaic kernel ``ops.matmul.rows_matmul``, which splits
-    the weight's columns over the cores (the compiler's dot splits the rows: 3B MLP product at 256
-    rows on v5p, estimated 42.9 us against the kernel's 31.6). Otherwise on a TPU one row (a
-    one-sequence decode step) is padded to two, because the compiler lowers a one-row product as
-    an elementwise multiply and reduce over the whole weight (3B decode step at W=1 on v5p,
-    estimated: 7.90 ms, against 5.09 ms for two rows). Other backends take the product as it is."""
-    dot = functools.partial(mosaic_matmul.reference, out_dtype=out_dtype)
+def _rows_kernel(x: Array, w_IxO: Array) -> bool:
+    """Whether x [.., I] @ w takes the Mosaic few-row kernels: inside ``weights_in_own_buffers``,
+    in a program compiled for a TPU with two TensorCores per chip (v4, v5p), rows and widths
+    ``ops.matmul.takes``."""
     rows = math.prod(x.shape[:-1])
-    kernel_takes = mosaic_matmul.takes(rows, *w_IxO.shape, x.dtype, w_IxO.dtype)
-    if kernel_takes and _OWN_BUFFERS.get() and two_core_tpu(compile_target(w_IxO)):
+    takes = mosaic_matmul.takes(rows, *w_IxO.shape, x.dtype, w_IxO.dtype)
+    return takes and _OWN_BUFFERS.get() and two_core_tpu(compile_target(w_IxO))
 
-        def kernel(a, b):
-            return mosaic_matmul.rows_matmul(a.reshape(rows, a.shape[-1]), b, out_dtype).reshape(*a.shape[:-1], -1)
 
-        return per_platform(x, w_IxO, default=dot, tpu=kernel)
-    if rows != 1:
-        return dot(x, w_IxO)
+def _as_rows(kernel: Any, residual: bool) -> Any:
+    """``kernel(x, w, extra)`` on x [.., I] flattened to rows, and ``extra`` with it where it is a
+    ``residual`` [.., O] (a second weight stays as it is); the result [.., O]."""
 
-    def two_rows(a, b):
-        row = a.reshape(1, a.shape[-1])
-        return dot(jnp.concatenate([row, jnp.zeros_like(row)]), b)[:1].reshape(*a.shape[:-1], b.shape[-1])
+    def call(x, w, extra):
+        lead = x.shape[:-1]
+        extra = extra.reshape(-1, extra.shape[-1]) if residual else extra
+        return kernel(x.reshape(-1, x.shape[-1]), w, extra).reshape(*lead, -1)
 
-    return per_platform(x, w_IxO, default=dot, tpu=two_rows)
+    return call
+
+
+def matmul(x: Array, w_IxO: Array, out_dtype: Any, residual: Array | None = None) -> Array:
+    """x [.., I] @ w [I, O] with ``out_dtype`` accumulation (plus ``residual``, added last). Inside
+    ``weights_in_own_buffers``, in a program compiled for a TPU with two TensorCores per chip (v4,
+    v5p), a product of at most 512 rows (decode, short prefill) is the Mosaic kernel
+    ``ops.matmul.rows_matmul``, which splits the weight's columns over the cores (the compiler's dot
+    splits the rows: 3B MLP product at 256 rows on v5p, estimated 42.9 us against the kernel's
+    31.6), with a residual of ``out_dtype`` added in its epilogue (``residual_rows_matmul``).
+    Otherwise on a TPU one row (a one-sequence decode step) is padded to two, because the compiler
+    lowers a one-row product as an elementwise multiply and reduce over the whole weight (3B decode
+    step at W=1 on v5p, estimated: 7.90 ms, against 5.09 ms for two rows). Other backends take the
+    product as it is."""
+    dot = functools.partial(mosaic_matmul.reference, out_dtype=out_dtype)
+    if _rows_kernel(x, w_IxO):
+        if residual is not None and residual.dtype == jnp.dtype(out_dtype) and residual.shape[:-1] == x.shape[:-1]:
+            fused = _as_rows(mosaic_matmul.residual_rows_matmul, residual=True)
+            return per_platform(x, w_IxO, residual, default=mosaic_matmul.residual_reference, tpu=fused)
+        rows = x.shape[:-1]
+        kernel = lambda a, b: mosaic_matmul.rows_matmul(a.reshape(-1, a.shape[-1]), b, out_dtype).reshape(*rows, -1)  # noqa: E731
+        y = per_platform(x, w_IxO, default=dot, tpu=kernel)
+    elif math.prod(x.shape[:-1]) != 1:
+        y = dot(x, w_IxO)
+    else:
+
+        def two_rows(a, b):
+            row = a.reshape(1, a.shape[-1])
+            return dot(jnp.concatenate([row, jnp.zeros_like(row)]), b)[:1].reshape(*a.shape[:-1], b.shape[-1])
+
+        y = per_platform(x, w_IxO, default=dot, tpu=two_rows)
+    return y if residual is None else residual + y
+
+
+def gated_matmul(x: Array, w_gate: Array, w_up: Array) -> Array:
+    """SwiGLU's hidden layer, silu(x @ w_gate) (x @ w_up), in x's dtype: where ``matmul`` runs the
+    Mosaic few-row kernel, both products and the gate as one (``ops.matmul.gated_rows_matmul``;
+    the 3B decode step's SwiGLU gate kernel, 0.15 ms of 12.6 on v5p, is gone); otherwise the two
+    products and ``swiglu``."""
+    if _rows_kernel(x, w_gate):
+        fused = _as_rows(mosaic_matmul.gated_rows_matmul, residual=False)
+        return per_platform(x, w_gate, w_up, default=mosaic_matmul.gated_reference, tpu=fused)
+    return swiglu(matmul(x, w_gate, x.dtype), matmul(x, w_up, x.dtype))
 
 
 _TARGET: contextvars.ContextVar[Any] = contextvars.ContextVar("model_target", default=None)
@@ -170,9 +227,8 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: Array, h: Array | None = None) -> Array | tuple[Array, Array]:
-        w = gathered(
-            sharded_param(self, "weight", nn.initializers.ones, (x.shape[-1],), ("norm",)), ("norm",), jnp.float32
-        )
+        w = sharded_param(self, "weight", nn.initializers.ones, (x.shape[-1],), ("norm",))
+        w = gathered(w, ("norm",), w.dtype)  # as stored: the norms compute in float32 from it
         if h is None:
             return rms_norm(x, w, self.eps, self.dtype)
         if not row_kernels(x, ops_norm.takes):
@@ -194,7 +250,7 @@ class GatedRMSNorm(nn.Module):
     @nn.compact
     def __call__(self, o: Array, g: Array) -> Array:
         w = sharded_param(self, "weight", nn.initializers.ones, (self.width,), ("norm",))
-        return rms_norm(o, gathered(w, ("norm",), jnp.float32), self.eps, self.dtype, gate=g)
+        return rms_norm(o, gathered(w, ("norm",), w.dtype), self.eps, self.dtype, gate=g)
 
 
 class ShortConv(nn.Module):
@@ -254,19 +310,20 @@ def conv_cache(cache_BxWD: Array, x_BxTxD: Array, lengths_B: Array) -> Array:
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)); fla ``GatedMLP`` with swish."""
+    """down(silu(gate(x)) * up(x)) (+ residual); fla ``GatedMLP`` with swish."""
 
     hidden: int
     dtype: jnp.dtype = jnp.float32
     init_std: float = 0.02
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, residual: Array | None = None) -> Array:
         d = x.shape[-1]
         lin = dict(dtype=self.dtype, init_std=self.init_std)
-        gate = Linear(self.hidden, ("embed", "mlp"), name="gate_proj", **lin)(x)
-        up = Linear(self.hidden, ("embed", "mlp"), name="up_proj", **lin)(x)
-        return Linear(d, ("mlp", "embed"), name="down_proj", **lin)(swiglu(gate, up))
+        w_gate = Weight(self.hidden, ("embed", "mlp"), name="gate_proj", **lin)(d)
+        w_up = Weight(self.hidden, ("embed", "mlp"), name="up_proj", **lin)(d)
+        hidden = gated_matmul(x.astype(self.dtype), w_gate, w_up)
+        return Linear(d, ("mlp", "embed"), name="down_proj", **lin)(hidden, residual)
 
 
 def swiglu(gate: Array, up: Array) -> Array:

@@ -142,7 +142,7 @@ class Block(nn.Module):
         x_BxTxD = constrain(x_BxTxD, ("batch", "length", "act_embed"))
         h, state = self.attn(self.attn_norm(x_BxTxD), state, lengths_B)
         x_BxTxD, normed = self.mlp_norm(x_BxTxD, h)  # x + h and its norm, one pass
-        return x_BxTxD + self.mlp(normed), state
+        return self.mlp(normed, residual=x_BxTxD), state  # x + mlp, the add in the last product
 
 
 def _remat(cfg: ModelConfig) -> type[Block]:

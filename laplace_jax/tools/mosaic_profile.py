@@ -15,9 +15,10 @@ alike, and the cycles are linear in each, which ``tests/test_tpu.py`` checks).
 
 prints {"kernel": ..., "heads": [2, 4], "cycles": [...]} as JSON. The decode-step kernel
 (``gla_mosaic_step``, ``--shape B,H,K,V``), the conv step (``short_conv_mosaic_step``,
-``--shape B,W,D,masked``), the few-row product (``matmul_mosaic_rows``, ``--shape M,I,O,fp32_out``)
+``--shape B,W,D,masked``), the few-row product (``matmul_mosaic_rows``, ``--shape M,I,O,fp32_out,form``:
+form 0 plain, 1 with a residual, 2 gated: ``limits``' ``PLAIN``, ``RESIDUAL``, ``GATED``)
 and the RMSNorm kernels (``rms_norm_mosaic_fwd`` / ``_bwd``, ``rms_norm_residual_mosaic_fwd`` /
-``_bwd``, ``--shape N,D,w,fp32_out,gated``) and SwiGLU's (``swiglu_mosaic_fwd`` / ``_bwd``,
+``_bwd``, ``--shape N,D,w,fp32_out,gated,gain_f32``) and SwiGLU's (``swiglu_mosaic_fwd`` / ``_bwd``,
 ``--shape N,F``) are
 profiled once at the call's own sizes: their grids are small or their steps few bundles.
 The cycles are the compiler's static schedule, which counts no HBM transfer time: ``tpu`` sets
@@ -38,11 +39,13 @@ import sys
 import tempfile
 
 from laplace_jax.ops.gla.limits import (
+    GATED,
     MOSAIC_DECODE_KERNELS,
     MOSAIC_MATMUL_KERNEL,
     MOSAIC_NORM_KERNELS,
     MOSAIC_STEP_KERNEL,
     MOSAIC_SWIGLU_KERNELS,
+    RESIDUAL,
 )
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
@@ -52,42 +55,47 @@ TOPOLOGY = {"v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}  # one chip 
 def decode_args(kernel: str, shape: tuple[int, ...], dtype: str) -> tuple:
     """A Mosaic decode-step kernel and ShapeDtypeStructs of its operands (the kernel's own
     layout): ``gla_mosaic_step`` at B,H,K,V, ``short_conv_mosaic_step`` at B,W,D,masked,
-    ``matmul_mosaic_rows`` at M,I,O,fp32_out, ``rms_norm_mosaic_fwd`` / ``_bwd`` at
-    N,D,w,fp32_out,gated (the residual ones: D as w, gated 0), ``swiglu_mosaic_fwd`` / ``_bwd`` at N,F."""
+    ``matmul_mosaic_rows`` at M,I,O,fp32_out,form, ``rms_norm_mosaic_fwd`` / ``_bwd`` at
+    N,D,w,fp32_out,gated,gain_f32 (the residual ones: D as w, gated 0), ``swiglu_mosaic_fwd`` /
+    ``_bwd`` at N,F. The conv step's weights are in the activations' dtype, as the model passes them."""
     import jax
     import jax.numpy as jnp
 
     from laplace_jax.ops.conv import mosaic_step as conv
     from laplace_jax.ops.gla import mosaic_step as gla
-    from laplace_jax.ops.matmul import rows_matmul
+    from laplace_jax.ops.matmul import mosaic as matmul
     from laplace_jax.ops.norm import mosaic as norm
     from laplace_jax.ops.swiglu import mosaic_swiglu
 
     S, f32 = jax.ShapeDtypeStruct, jnp.float32
     if kernel == MOSAIC_MATMUL_KERNEL:
-        M, I, O, fp32_out = shape
-        fn = lambda x, w: rows_matmul(x, w, f32 if fp32_out else dtype)  # noqa: E731
-        return fn, (S((M, I), dtype), S((I, O), dtype))
+        M, I, O, fp32_out, form = shape
+        x, w = S((M, I), dtype), S((I, O), dtype)
+        if form == RESIDUAL:
+            return (lambda x, w, r: matmul.residual_rows_matmul(x, w, r)), (x, w, S((M, O), f32 if fp32_out else dtype))
+        if form == GATED:
+            return matmul.gated_rows_matmul, (x, w, w)
+        return (lambda x, w: matmul.rows_matmul(x, w, f32 if fp32_out else dtype)), (x, w)
     if kernel in MOSAIC_SWIGLU_KERNELS:
         rows = S(shape, dtype)
         if kernel == MOSAIC_SWIGLU_KERNELS[0]:
             return mosaic_swiglu, (rows, rows)
         return (lambda a, b, dy: jax.vjp(mosaic_swiglu, a, b)[1](dy)), (rows, rows, rows)
     if kernel in MOSAIC_NORM_KERNELS:
-        N, D, w, fp32_out, gated = shape
-        out, rows = f32 if fp32_out else dtype, S((N, D), dtype)
+        N, D, w, fp32_out, gated, gain_f32 = shape
+        out, rows, gain = f32 if fp32_out else dtype, S((N, D), dtype), f32 if gain_f32 else dtype
         gate = (rows,) if gated else ()
         norm_fn = lambda x, g, *z: norm.rms_norm(x, g, 1e-6, out, *z)  # noqa: E731
         if kernel == MOSAIC_NORM_KERNELS[0]:
-            return norm_fn, (rows, S((w,), f32), *gate)
+            return norm_fn, (rows, S((w,), gain), *gate)
         if kernel in MOSAIC_NORM_KERNELS[2:]:  # after a residual add: x + h and its norm
             add_norm = lambda x, h, g: norm.residual_rms_norm(x, h, g, 1e-6, out)  # noqa: E731
             if kernel == MOSAIC_NORM_KERNELS[2]:
-                return add_norm, (rows, rows, S((D,), f32))
+                return add_norm, (rows, rows, S((D,), gain))
             add_bwd = lambda x, h, g, dr, dy: jax.vjp(add_norm, x, h, g)[1]((dr, dy))  # noqa: E731
-            return add_bwd, (rows, rows, S((D,), f32), rows, S((N, D), out))
+            return add_bwd, (rows, rows, S((D,), gain), rows, S((N, D), out))
         bwd = lambda x, g, *z_dy: jax.vjp(lambda x, g, *z: norm_fn(x, g, *z), x, g, *z_dy[:-1])[1](z_dy[-1])  # noqa: E731
-        return bwd, (rows, S((w,), f32), *gate, S((N, D), out))
+        return bwd, (rows, S((w,), gain), *gate, S((N, D), out))
     if kernel == MOSAIC_STEP_KERNEL:
         B, H, K, V = shape
         fn = lambda q, k, g, v, s: gla._call(q, k, g, v, s, K**-0.5, False)  # noqa: E731
@@ -96,7 +104,7 @@ def decode_args(kernel: str, shape: tuple[int, ...], dtype: str) -> tuple:
     B, W, D, masked = shape
     live = S((B, 1), jnp.int32) if masked else None
     fn = lambda x, c, k, live=None: conv._call(x, c, k, live, False)  # noqa: E731
-    return fn, (S((B, D), dtype), S((B, W * D), dtype), S((W, D), f32), *([live] if masked else []))
+    return fn, (S((B, D), dtype), S((B, W * D), dtype), S((W, D), dtype), *([live] if masked else []))
 
 
 def kernel_args(kernel: str, heads: int, T: int, C: int, K: int, V: int, dtype: str) -> tuple:
@@ -196,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--shape",
         help="T,C,K,V: sequence, chunk, key and value head widths (gla_mosaic_step: B,H,K,V; "
-        "short_conv_mosaic_step: B,W,D,masked; matmul_mosaic_rows: M,I,O,fp32_out; "
-        "rms_norm_mosaic_fwd / _bwd: N,D,w,fp32_out,gated; swiglu_mosaic_fwd / _bwd: N,F)",
+        "short_conv_mosaic_step: B,W,D,masked; matmul_mosaic_rows: M,I,O,fp32_out,form; "
+        "rms_norm_mosaic_fwd / _bwd: N,D,w,fp32_out,gated,gain_f32; swiglu_mosaic_fwd / _bwd: N,F)",
     )
     ap.add_argument("--calibration", action="store_true", help="the calibration matmul instead of a kernel")
     ap.add_argument("--n", type=int, default=CALIBRATION_N, help="the calibration matmul's size (a multiple of 512)")

@@ -443,6 +443,23 @@ def test_the_mosaic_step_kernel_matches_float64_at_every_decay(decay):
     assert _rel(o, o_ref) <= 1e-6 and _rel(s, s_ref) <= 1e-6
 
 
+def test_the_mosaic_step_kernel_writes_each_head_group_into_its_own_columns():
+    """V = 64: two heads make a 128-lane block of o (``heads_per_group``), so H = 6 is three groups
+    whose accumulators are transposed into o's rows [B, H * V] one block each; against the float64
+    step (mixed decays), within the sweep's 1e-6."""
+    from laplace_jax.ops.gla import mosaic_gla_step
+    from laplace_jax.ops.gla.mosaic_step import heads_per_group
+
+    B, H, K, V = 128, 6, 16, 64
+    assert heads_per_group(H, V) == 2 and heads_per_group(16, 192) == 2 and heads_per_group(2, 16) == 2
+    q, k, v, _, s0 = _inputs(1, "weak", seed=13, B=B, H=H, K=K, V=V)
+    rates = np.asarray([d for d in SWEEP_DECAYS if d != "mixed"], np.float32)
+    g = np.random.default_rng(6).choice(rates, (B, H, K))
+    o, s = mosaic_gla_step(q[:, 0], k[:, 0], v[:, 0], g, s0, scale=K**-0.5, interpret=True)
+    o_ref, s_ref = _one_step_f64(q[:, 0], k[:, 0], v[:, 0], g, s0, K**-0.5)
+    assert o.shape == (B, H, V) and _rel(o, o_ref) <= 1e-6 and _rel(s, s_ref) <= 1e-6
+
+
 def test_the_mosaic_step_kernel_follows_the_torch_recurrence_and_keeps_padding_rows():
     """20 tokens through ``gla_decode(impl="mosaic")`` against the independent float64 torch
     recurrence (strong decays, bf16 q/k/v as decode runs them: 2e-2 like every bf16 bound); a row

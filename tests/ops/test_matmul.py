@@ -1,13 +1,24 @@
 """The few-row product as a Mosaic kernel (interpreted on CPU) against a float64 NumPy product,
-its gradient against the XLA dot's, and where ``takes`` sends a product."""
+its gradient against the XLA dot's, and where ``takes`` sends a product; its residual and gated
+(SwiGLU) forms against float64 and against the unfused kernels they replace."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from laplace_jax.ops.matmul import reference, rows_matmul, takes
+from laplace_jax.ops.gla.limits import GATED, PLAIN, RESIDUAL, matmul_form
+from laplace_jax.ops.matmul import (
+    gated_reference,
+    gated_rows_matmul,
+    reference,
+    residual_reference,
+    residual_rows_matmul,
+    rows_matmul,
+    takes,
+)
 from laplace_jax.ops.matmul.mosaic import MAX_ROWS, column_block
+from laplace_jax.ops.swiglu import mosaic_swiglu
 
 
 def _inputs(M, I, O, dtype, seed=0):
@@ -55,3 +66,70 @@ def test_takes_few_rows_of_whole_lane_tiles_in_one_dtype():
 def test_column_blocks_divide_the_weight_and_split_evenly_over_two_cores(I, O, block):
     """1536 columns: 256-wide blocks (six: three per core) where 512 would give three."""
     assert column_block(I, O) == block and O % block == 0
+
+
+def _silu64(z):
+    return z / (1.0 + np.exp(-z))
+
+
+@pytest.mark.parametrize("M, I, O", [(8, 128, 1024), (256, 512, 640)])
+def test_the_residual_form_is_the_float64_sum_and_the_unfused_kernel_plus_add(M, I, O):
+    """bf16: r + x w within the product's bound plus two bf16 roundings (of the product, then of
+    the sum: 2^-8 (|x w| + |x w + r|)), and equal, bit for bit, to the plain kernel's bf16 product
+    plus r as XLA adds two bf16 arrays (what the decode step ran before this form)."""
+    x, w = _inputs(M, I, O, jnp.bfloat16, seed=M + 1)
+    r = jnp.asarray(np.random.default_rng(M).standard_normal((M, O)), jnp.bfloat16)
+    got = jax.jit(lambda a, b, c: residual_rows_matmul(a, b, c, True))(x, w, r)
+    assert got.dtype == jnp.bfloat16 and got.shape == (M, O)
+    unfused = jax.jit(lambda a, b, c: c + rows_matmul(a, b, jnp.bfloat16, True))(x, w, r)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(unfused, np.float32))
+    x64, w64, r64 = (np.asarray(a, np.float64) for a in (x, w, r))
+    product, scale = x64 @ w64, np.abs(x64) @ np.abs(w64)
+    want = product + r64
+    bound = 2.0**-24 * I * scale + 2.0**-8 * (np.abs(product) + np.abs(want)) * 1.01
+    assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound)
+
+
+@pytest.mark.parametrize("M, I, O", [(8, 128, 1024), (256, 512, 640)])
+def test_the_gated_form_is_the_float64_swiglu_and_the_unfused_kernels(M, I, O):
+    """bf16: silu(x wg) (x wu) within the products' bounds, their bf16 roundings carried through
+    the gate (|silu'| < 1.1) and one bf16 rounding of the result; and equal, bit for bit, to the
+    plain kernel's two bf16 products fed to SwiGLU's Mosaic kernel (the decode step before)."""
+    x, wg = _inputs(M, I, O, jnp.bfloat16, seed=M + 2)
+    wu = jnp.asarray(np.random.default_rng(M + 3).standard_normal((I, O)), jnp.bfloat16)
+    got = jax.jit(lambda a, b, c: gated_rows_matmul(a, b, c, True))(x, wg, wu)
+    assert got.dtype == jnp.bfloat16 and got.shape == (M, O)
+    product = lambda a, b: rows_matmul(a, b, jnp.bfloat16, True)  # noqa: E731
+    unfused = jax.jit(lambda a, b, c: mosaic_swiglu(product(a, b), product(a, c), True))(x, wg, wu)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(unfused, np.float32))
+    x64, g64, u64 = (np.asarray(a, np.float64) for a in (x, wg, wu))
+    gate, up = x64 @ g64, x64 @ u64
+    want = _silu64(gate) * up
+    err_gate = 2.0**-24 * I * (np.abs(x64) @ np.abs(g64)) + 2.0**-8 * np.abs(gate)
+    err_up = 2.0**-24 * I * (np.abs(x64) @ np.abs(u64)) + 2.0**-8 * np.abs(up)
+    bound = 1.1 * err_gate * (np.abs(up) + err_up) + np.abs(_silu64(gate)) * err_up + 2.0**-8 * np.abs(want) * 1.01
+    assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound)
+
+
+def test_the_fused_forms_gradients_are_their_references():
+    """fp32: the residual and gated forms' custom VJPs against jax.grad of the XLA ops they fuse."""
+    x, w = _inputs(16, 256, 384, jnp.float32, seed=5)
+    r = jnp.asarray(np.random.default_rng(6).standard_normal((16, 384)), jnp.float32)
+    u = jnp.asarray(np.random.default_rng(7).standard_normal((256, 384)), jnp.float32)
+    ct = jnp.asarray(np.random.default_rng(8).standard_normal((16, 384)), jnp.float32)
+    pairs = [
+        (lambda a, b, c: residual_rows_matmul(a, b, c, True), residual_reference, (x, w, r)),
+        (lambda a, b, c: gated_rows_matmul(a, b, c, True), gated_reference, (x, w, u)),
+    ]
+    for kernel, ref, args in pairs:
+        ours = jax.grad(lambda *a, f=kernel: jnp.sum(f(*a) * ct), argnums=(0, 1, 2))(*args)
+        xla = jax.grad(lambda *a, f=ref: jnp.sum(f(*a) * ct), argnums=(0, 1, 2))(*args)
+        for a, b in zip(ours, xla, strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(b))))
+
+
+def test_a_compiled_call_names_its_form_by_its_operands():
+    """``tpu`` reads a call's form from its operands' shapes: x [M, I], w [I, O], then r [M, O] or u [I, O]."""
+    assert matmul_form([(256, 3072), (3072, 8192)]) == PLAIN
+    assert matmul_form([(256, 8192), (8192, 3072), (256, 3072)]) == RESIDUAL
+    assert matmul_form([(256, 3072), (3072, 8192), (3072, 8192)]) == GATED

@@ -138,3 +138,20 @@ def test_the_residual_norms_gradients_are_the_float64_ones():
         want = [np.asarray(w) for w in jax.grad(exact, argnums=(0, 1, 2))(*a64[:3])]
     for name, a, b in zip(["x", "h", "gain"], got, want, strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=0, atol=1e-5 * np.max(np.abs(b)), err_msg=name)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_bf16_gain_is_read_as_stored_and_gives_the_f32_gains_norm(gated):
+    """Serving's bf16 weights reach the kernels as bf16 gains (converted in VMEM, no convert op):
+    bit for bit the norm of the same gain widened to fp32 outside, plain, gated and after a
+    residual add."""
+    x, g, z = _inputs(256, 384, gated, seed=9, groups=2)
+    g16 = g.astype(jnp.bfloat16)
+    ours = mosaic_rms_norm(x, g16, EPS, jnp.bfloat16, z, True)
+    wide = mosaic_rms_norm(x, g16.astype(jnp.float32), EPS, jnp.bfloat16, z, True)
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(wide, np.float32))
+    g16 = jnp.concatenate([g16, g16])  # the residual norm's gain is as wide as x
+    r, y = mosaic_residual_rms_norm(x, x, g16, EPS, jnp.bfloat16, interpret=True)
+    r32, y32 = mosaic_residual_rms_norm(x, x, g16.astype(jnp.float32), EPS, jnp.bfloat16, interpret=True)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y32, np.float32))
+    np.testing.assert_array_equal(np.asarray(r), np.asarray(r32))

@@ -41,9 +41,9 @@ def _kernel(*refs, width: int, first: int):
     """Grid step s reads cache tap t = s + first (x once t reaches W) and writes tap t - 1."""
     masked = first == 0
     if masked:
-        live_ref, x_ref, tap_ref, k_ref, y_ref, out_ref, acc_ref, prev_ref = refs
+        live_ref, x_ref, tap_ref, kernel_ref, y_ref, out_ref, acc_ref, k_ref, prev_ref = refs
     else:
-        x_ref, tap_ref, k_ref, y_ref, out_ref, acc_ref = refs
+        x_ref, tap_ref, kernel_ref, y_ref, out_ref, acc_ref, k_ref = refs
     t = pl.program_id(1) + first
 
     def write(new):  # a padding row keeps the tap it had (the one read a step earlier)
@@ -54,6 +54,7 @@ def _kernel(*refs, width: int, first: int):
     @pl.when(t == first)
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
+        k_ref[...] = kernel_ref[...].astype(f32)  # the taps' weights as stored (bf16 serving weights: no convert op)
         if masked:  # tap 0: only a padding row keeps it
             prev_ref[...] = tap_ref[...]
 
@@ -72,7 +73,7 @@ def _kernel(*refs, width: int, first: int):
 
 
 def _call(x: Array, cache: Array, kernel: Array, live: Array | None, interpret: bool) -> tuple[Array, Array]:
-    """x [B, D], cache [B, W * D], kernel [W, D] fp32, live [B, 1] int32 or None -> (y [D, B], cache').
+    """x [B, D], cache [B, W * D], kernel [W, D], live [B, 1] int32 or None -> (y [D, B], cache').
     Unmasked, the grid skips tap 0 (the step drops it); masked, it reads it for the padding rows."""
     B, D = x.shape
     W = kernel.shape[0]
@@ -80,7 +81,7 @@ def _call(x: Array, cache: Array, kernel: Array, live: Array | None, interpret: 
     first = 0 if live is not None else 1
     block = lambda index: pl.BlockSpec((rows, D), index)  # noqa: E731
     specs = [block(lambda b, s: (b, 0)), block(lambda b, s: (b, jnp.minimum(s + first, W - 1)))]  # x, tap
-    args, scratch = [x, cache], [pltpu.VMEM((rows, D), f32)]
+    args, scratch = [x, cache], [pltpu.VMEM((rows, D), f32), pltpu.VMEM((W, D), f32)]
     if live is not None:  # the row mask first; the tap read a step earlier kept for padding rows
         specs, args = [pl.BlockSpec((rows, 1), lambda b, s: (b, 0)), *specs], [live, *args]
         scratch.append(pltpu.VMEM((rows, D), cache.dtype))
@@ -107,7 +108,7 @@ def mosaic_conv_step(
     """``conv_step`` as the Mosaic kernel: x [B, D], cache [B, W * D], kernel [W, D] -> (y [B, D],
     cache'); pass the cache donated (updated in place)."""
     live = None if lengths is None else lengths.astype(jnp.int32)[:, None]
-    y_DxB, new = _call(x, cache.astype(x.dtype), kernel.astype(f32), live, interpret)
+    y_DxB, new = _call(x, cache.astype(x.dtype), kernel, live, interpret)
     return jnp.transpose(y_DxB), new
 
 

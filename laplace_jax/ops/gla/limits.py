@@ -10,6 +10,16 @@ MOSAIC_KERNELS = ("gla_mosaic_fwd", "gla_mosaic_bwd")  # the Mosaic kernels' nam
 MOSAIC_STEP_KERNEL = "gla_mosaic_step"  # the Mosaic decode-step kernels' names
 MOSAIC_CONV_KERNEL = "short_conv_mosaic_step"
 MOSAIC_MATMUL_KERNEL = "matmul_mosaic_rows"  # ops/matmul/mosaic.py: few-row products (decode, short prefill)
+PLAIN, RESIDUAL, GATED = 0, 1, 2  # its forms: x w; r + x w; silu(x w) (x u) (SwiGLU's hidden layer)
+
+
+def matmul_form(operand_shapes: list[tuple[int, ...]]) -> int:
+    """The form of a compiled matmul call from its operands' shapes: x [M, I], w [I, O] (, r [M, O] or u [I, O])."""
+    if len(operand_shapes) == 2:
+        return PLAIN
+    return GATED if tuple(operand_shapes[2]) == tuple(operand_shapes[1]) else RESIDUAL
+
+
 # ops/norm/mosaic.py: RMSNorm forward, backward, and the same after a residual add
 MOSAIC_NORM_KERNELS = (
     "rms_norm_mosaic_fwd",

@@ -105,9 +105,14 @@ def _gain_grad(dy: Array, n: Array, groups: int) -> Array:
     return sum(dg[:, j * w : (j + 1) * w] for j in range(groups))[None]
 
 
+def _gain(g_ref) -> Array:
+    """The gain [1, w] in float32, from the dtype it is stored in (bf16 serving weights: no convert op)."""
+    return g_ref[...].astype(jnp.float32)
+
+
 def _forward_kernel(x_ref, g_ref, *refs, eps: float, gated: bool, groups: int):
     z_ref, y_ref = refs if gated else (None, *refs)
-    y = _normalized(x_ref[...].astype(jnp.float32), g_ref[...], groups, eps)
+    y = _normalized(x_ref[...].astype(jnp.float32), _gain(g_ref), groups, eps)
     if gated:
         y = y * swish(z_ref[...].astype(jnp.float32))[0]
     y_ref[...] = y.astype(y_ref.dtype)
@@ -115,7 +120,7 @@ def _forward_kernel(x_ref, g_ref, *refs, eps: float, gated: bool, groups: int):
 
 def _backward_kernel(x_ref, g_ref, *refs, eps: float, gated: bool, groups: int):
     z_ref, dy_ref, dx_ref, dg_ref, dz_ref = refs if gated else (None, *refs, None)
-    x, dy, g = x_ref[...].astype(jnp.float32), dy_ref[...].astype(jnp.float32), _tiled(g_ref[...], groups)
+    x, dy, g = x_ref[...].astype(jnp.float32), dy_ref[...].astype(jnp.float32), _tiled(_gain(g_ref), groups)
     if gated:
         a, da = swish(z_ref[...].astype(jnp.float32))
         s = jax.lax.rsqrt(_group_mean(x * x, groups) + eps)
@@ -129,12 +134,12 @@ def _backward_kernel(x_ref, g_ref, *refs, eps: float, gated: bool, groups: int):
 def _residual_forward_kernel(x_ref, h_ref, g_ref, r_ref, y_ref, *, eps: float, groups: int):
     r = (x_ref[...].astype(jnp.float32) + h_ref[...].astype(jnp.float32)).astype(r_ref.dtype)
     r_ref[...] = r
-    y_ref[...] = _normalized(r.astype(jnp.float32), g_ref[...], groups, eps).astype(y_ref.dtype)
+    y_ref[...] = _normalized(r.astype(jnp.float32), _gain(g_ref), groups, eps).astype(y_ref.dtype)
 
 
 def _residual_backward_kernel(r_ref, g_ref, dy_ref, dr_ref, dx_ref, dg_ref, *, eps: float, groups: int):
     r, dy = r_ref[...].astype(jnp.float32), dy_ref[...].astype(jnp.float32)
-    dx, n, dy = _input_grads(r, _tiled(g_ref[...], groups), dy, groups, eps)
+    dx, n, dy = _input_grads(r, _tiled(_gain(g_ref), groups), dy, groups, eps)
     dx_ref[...] = (dx + dr_ref[...].astype(jnp.float32)).astype(dx_ref.dtype)
     dg_ref[...] = _gain_grad(dy, n, groups)
 
@@ -287,7 +292,7 @@ def rms_norm(
     other; with ``interpret``, the kernels in the Pallas interpreter."""
     D, w = x.shape[-1], gain.shape[-1]
     z = None if gate is None else gate.reshape(-1, D)
-    g = gain.astype(jnp.float32).reshape(1, w)
+    g = gain.reshape(1, w)  # converted to float32 in the kernel: a bf16 gain costs no convert op
     return _norm(x.reshape(-1, D), g, z, eps, jnp.dtype(out_dtype), interpret).reshape(x.shape)
 
 
@@ -299,7 +304,7 @@ def residual_rms_norm(
     input gradient and r's own cotangent summed in the same pass). Kernels and backends as
     ``rms_norm``; the gain is as wide as x."""
     D = x.shape[-1]
-    g = gain.astype(jnp.float32).reshape(1, D)
+    g = gain.reshape(1, D)
     h = h.astype(x.dtype).reshape(-1, D)
     r, y = _residual_norm(x.reshape(-1, D), h, g, eps, jnp.dtype(out_dtype), interpret)
     return r.reshape(x.shape), y.reshape(x.shape)
