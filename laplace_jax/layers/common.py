@@ -128,14 +128,13 @@ def _rows_kernel(x: Array, w_IxO: Array) -> bool:
     return takes and _OWN_BUFFERS.get() and two_core_tpu(compile_target(w_IxO))
 
 
-def _as_rows(kernel: Any, residual: bool) -> Any:
-    """``kernel(x, w, extra)`` on x [.., I] flattened to rows, and ``extra`` with it where it is a
+def _as_rows(kernel: Any, residual: bool = False) -> Any:
+    """``kernel(x, w, *extra)`` on x [.., I] flattened to rows, and ``extra`` with it where it is a
     ``residual`` [.., O] (a second weight stays as it is); the result [.., O]."""
 
-    def call(x, w, extra):
-        lead = x.shape[:-1]
-        extra = extra.reshape(-1, extra.shape[-1]) if residual else extra
-        return kernel(x.reshape(-1, x.shape[-1]), w, extra).reshape(*lead, -1)
+    def call(x, w, *extra):
+        rows = [a.reshape(-1, a.shape[-1]) for a in extra] if residual else extra
+        return kernel(x.reshape(-1, x.shape[-1]), w, *rows).reshape(*x.shape[:-1], -1)
 
     return call
 
@@ -156,8 +155,7 @@ def matmul(x: Array, w_IxO: Array, out_dtype: Any, residual: Array | None = None
         if residual is not None and residual.dtype == jnp.dtype(out_dtype) and residual.shape[:-1] == x.shape[:-1]:
             fused = _as_rows(mosaic_matmul.residual_rows_matmul, residual=True)
             return per_platform(x, w_IxO, residual, default=mosaic_matmul.residual_reference, tpu=fused)
-        rows = x.shape[:-1]
-        kernel = lambda a, b: mosaic_matmul.rows_matmul(a.reshape(-1, a.shape[-1]), b, out_dtype).reshape(*rows, -1)  # noqa: E731
+        kernel = _as_rows(lambda a, b: mosaic_matmul.rows_matmul(a, b, out_dtype))
         y = per_platform(x, w_IxO, default=dot, tpu=kernel)
     elif math.prod(x.shape[:-1]) != 1:
         y = dot(x, w_IxO)
@@ -177,7 +175,7 @@ def gated_matmul(x: Array, w_gate: Array, w_up: Array) -> Array:
     the 3B decode step's SwiGLU gate kernel, 0.15 ms of 12.6 on v5p, is gone); otherwise the two
     products and ``swiglu``."""
     if _rows_kernel(x, w_gate):
-        fused = _as_rows(mosaic_matmul.gated_rows_matmul, residual=False)
+        fused = _as_rows(mosaic_matmul.gated_rows_matmul)
         return per_platform(x, w_gate, w_up, default=mosaic_matmul.gated_reference, tpu=fused)
     return swiglu(matmul(x, w_gate, x.dtype), matmul(x, w_up, x.dtype))
 
