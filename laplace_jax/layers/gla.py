@@ -61,18 +61,22 @@ class GatedLinearAttention(nn.Module):
         gk = lin(cfg.gate_low_rank_dim, ("embed", "rank"), name="gk_proj_0")(x_BxTxD)
         gk = lin(cfg.key_dim // G, ("rank", "heads"), use_bias=True, fp32_out=True, name="gk_proj_1")(gk)
 
-        q = q.reshape(B, T, H, dk)
-        # GQA: kv head j serves query heads j*G .. j*G+G-1.
-        k, gk = (jnp.repeat(a.reshape(B, T, H // G, dk), G, axis=2) for a in (k, gk))
-        v = jnp.repeat(v.reshape(B, T, H // G, dv), G, axis=2)
         gk = jax.nn.log_sigmoid(gk.astype(jnp.float32)) / cfg.gate_logit_normalizer
         if cfg.clamp_min is not None:
             gk = jnp.maximum(gk, cfg.clamp_min)
         if lengths_B is not None:
-            valid = (jnp.arange(T)[None, :] < lengths_B[:, None])[:, :, None, None]
+            valid = (jnp.arange(T)[None, :] < lengths_B[:, None])[:, :, None]
             k, v, gk = (jnp.where(valid, a, 0) for a in (k, v, gk))
+        # model.remat="save_gla" keeps these as [B, T, features] rows, before the heads are split
+        # off: as [B, T, H, d] a TPU tiles the few heads on the sublanes (the 340M's 4, bf16: a
+        # quarter of each tile), and stacking them over the layer scan cost the 340M train step on
+        # v5e:2x2 11.3 ms of the compiler's estimate, 5.1 ms as rows (docs/tpu.md)
+        q, k, v, gk = (checkpoint_name(a, "gla_inputs") for a in (q, k, v, gk))
 
-        q, k, v, gk = (checkpoint_name(a, "gla_inputs") for a in (q, k, v, gk))  # for model.remat="save_gla"
+        q = q.reshape(B, T, H, dk)
+        # GQA: kv head j serves query heads j*G .. j*G+G-1.
+        k, gk = (jnp.repeat(a.reshape(B, T, H // G, dk), G, axis=2) for a in (k, gk))
+        v = jnp.repeat(v.reshape(B, T, H // G, dv), G, axis=2)
         s0 = None if state is None else state["gla"]
         trace = trace_of(self)
         if trace == VERIFY_STATES:  # a speculative verify that keeps every position's state

@@ -132,32 +132,34 @@ def make_plan(shapes: Sequence[tuple[int, int]], n_ranks: int, split: Sequence[i
 
 
 def _pack(pieces_by_owner: dict[int, list[Array]], n_ranks: int, segment: int, wire: jnp.dtype) -> Array:
-    """The [N, S] send buffer: row o holds the flattened pieces for rank o, zero-padded to S."""
+    """The [N, S] send buffer in ``wire``: row o holds the flattened pieces for rank o (already
+    in ``wire``), zero-padded to S."""
     rows = []
     for o in range(n_ranks):
         flat = [p.reshape(-1) for p in pieces_by_owner.get(o, [])]
-        row = jnp.concatenate(flat) if flat else jnp.zeros((0,), jnp.float32)
+        row = jnp.concatenate(flat) if flat else jnp.zeros((0,), wire)
         rows.append(jnp.pad(row, (0, segment - row.shape[0])))
-    return jnp.stack(rows).astype(wire)
+    return jnp.stack(rows)
 
 
 def _exchange(buf_NxS: Array, axis_name: str | None, n_ranks: int) -> Array:
-    """One all-to-all of the buffer's rows over ``axis_name`` (nothing with one rank), back in fp32."""
+    """One all-to-all of the buffer's rows over ``axis_name`` (nothing with one rank), in its dtype."""
     if n_ranks == 1:
-        return buf_NxS.astype(jnp.float32)
+        return buf_NxS
     exchange = functools.partial(jax.lax.all_to_all, axis_name=axis_name, split_axis=0, concat_axis=0, tiled=True)
-    return as_wire(exchange, buf_NxS, pairs=True).astype(jnp.float32)
+    return as_wire(exchange, buf_NxS, pairs=True)
 
 
 def _owned_results(
     recv_NxS: Array, plan: Plan, me: Array | int, coeffs: Sequence[float], steps: int | Array, eps: float
 ) -> Array:
     """NS of the matrices rank ``me`` owns, from the received [N, S] buffer (row r: rank r's blocks),
-    as the [N, S] buffer to send back. The same program on every rank: each shape group's slots
-    read this rank's offsets from a static table (a -1 slot reads zeros and writes to a tail)."""
-    N, S = plan.n_ranks, plan.segment
+    as the [N, S] buffer to send back, both in the wire's dtype (NS itself in fp32). The same
+    program on every rank: each shape group's slots read this rank's offsets from a static table (a
+    -1 slot reads zeros and writes to a tail)."""
+    N, S, wire = plan.n_ranks, plan.segment, recv_NxS.dtype
     tail = max(m * n // N for m, n in plan.shapes)
-    out = jnp.zeros((N, S + tail), jnp.float32)
+    out = jnp.zeros((N, S + tail), wire)
     for (m, n, ax), per_rank in plan.slots().items():
         size = m * n // N
         table = np.asarray([[plan.offset[i] if i >= 0 else -1 for i in row] for row in per_rank], np.int32)
@@ -168,7 +170,8 @@ def _owned_results(
             whole = jnp.stack([p.reshape(m, n) for p in pieces])
         else:  # column blocks in rank order
             whole = jnp.stack([p.reshape(N, m, n // N).transpose(1, 0, 2).reshape(m, n) for p in pieces])
-        result = newton_schulz(jnp.where(valid[:, None, None], whole, 0.0), coeffs, steps, eps)
+        whole = jnp.where(valid[:, None, None], whole.astype(jnp.float32), 0.0)
+        result = newton_schulz(whole, coeffs, steps, eps).astype(wire)
         for r, o, ok in zip(result, offsets, valid, strict=True):
             piece = r.reshape(N, size) if ax == 0 else r.reshape(m, N, n // N).transpose(1, 0, 2).reshape(N, size)
             out = jax.lax.dynamic_update_slice_in_dim(out, piece, jnp.where(ok, o, S), axis=1)
@@ -195,18 +198,20 @@ def distributed_newton_schulz(
     f32 = jnp.float32
     wire = comm_dtype or f32
 
-    # All-to-all #1: row o of the send buffer holds my blocks of the matrices rank o owns.
+    # All-to-all #1: row o of the send buffer holds my blocks of the matrices rank o owns. Blocks
+    # are cast to the wire's dtype first and back to fp32 last, so with a 16-bit wire every
+    # flattening and slicing moves 2 bytes an element (the same values as casting at the wire).
     by_owner: dict[int, list[Array]] = {}
     for i, blk in enumerate(blocks):
-        by_owner.setdefault(plan.owner[i], []).append(blk.astype(f32))
+        by_owner.setdefault(plan.owner[i], []).append(blk.astype(f32).astype(wire))
     received = _exchange(_pack(by_owner, N, S, wire), axis_name, N)  # row r: rank r's blocks of the matrices I own
 
     me = jax.lax.axis_index(axis_name) if N > 1 else 0
-    results = _owned_results(received, plan, me, coeffs, steps, eps).astype(wire)
+    results = _owned_results(received, plan, me, coeffs, steps, eps)
     # All-to-all #2: row o now holds my blocks of the results of the matrices rank o owns.
     returned = _exchange(results, axis_name, N)
     out = []
     for i, blk in enumerate(blocks):
-        size = blk.size
-        out.append(jax.lax.dynamic_slice_in_dim(returned[plan.owner[i]], plan.offset[i], size).reshape(blk.shape))
+        piece = jax.lax.dynamic_slice_in_dim(returned[plan.owner[i]], plan.offset[i], blk.size)
+        out.append(piece.reshape(blk.shape).astype(f32))
     return out
