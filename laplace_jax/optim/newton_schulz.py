@@ -29,6 +29,7 @@ import numpy as np
 from laplace_jax.parallel import as_wire
 
 Array = jax.Array
+ROW = 256  # the exchange buffer's rows: two lane tiles, so a 16-bit payload's words (``as_wire``) are whole tiles
 
 
 def newton_schulz(x: Array, coeffs: Sequence[float], steps: int | Array, eps: float) -> Array:
@@ -65,7 +66,8 @@ class Plan:
     ranks hold row blocks, 1 if column blocks; owner[i]: its rank;
     offset[i]: start of a rank's block of it (rows or columns, per split[i]) inside the owner's
     segment; segment: padded segment
-    length S (elements) so every rank sends and receives an [N, S] buffer.
+    length S (elements, a multiple of ``ROW``) so every rank sends and receives an [N, S / ROW, ROW]
+    buffer.
     """
 
     n_ranks: int
@@ -126,56 +128,62 @@ def make_plan(shapes: Sequence[tuple[int, int]], n_ranks: int, split: Sequence[i
     for i, (m, n) in enumerate(padded):
         offset[i] = used[owner[i]]
         used[owner[i]] += m * n // n_ranks
-    segment = max([*used, 1])
-    segment += segment % 2  # even: a 16-bit payload crosses as pairs (``as_wire``)
+    segment = -(-max([*used, 1]) // ROW) * ROW
     return Plan(n_ranks, padded, split, tuple(owner), tuple(offset), segment, flops)
 
 
 def _pack(pieces_by_owner: dict[int, list[Array]], n_ranks: int, segment: int, wire: jnp.dtype) -> Array:
-    """The [N, S] send buffer in ``wire``: row o holds the flattened pieces for rank o (already
-    in ``wire``), zero-padded to S."""
+    """The [N, S / ROW, ROW] send buffer in ``wire``: row o holds the flattened pieces for rank o
+    (already in ``wire``), zero-padded to S."""
     rows = []
     for o in range(n_ranks):
         flat = [p.reshape(-1) for p in pieces_by_owner.get(o, [])]
         row = jnp.concatenate(flat) if flat else jnp.zeros((0,), wire)
-        rows.append(jnp.pad(row, (0, segment - row.shape[0])))
+        rows.append(jnp.pad(row, (0, segment - row.shape[0])).reshape(-1, ROW))
     return jnp.stack(rows)
 
 
-def _exchange(buf_NxS: Array, axis_name: str | None, n_ranks: int) -> Array:
-    """One all-to-all of the buffer's rows over ``axis_name`` (nothing with one rank), in its dtype."""
+def _exchange(buf_NxRxL: Array, axis_name: str | None, n_ranks: int) -> Array:
+    """One all-to-all of the buffer's ranks over ``axis_name`` (nothing with one rank), in its dtype."""
     if n_ranks == 1:
-        return buf_NxS
+        return buf_NxRxL
     exchange = functools.partial(jax.lax.all_to_all, axis_name=axis_name, split_axis=0, concat_axis=0, tiled=True)
-    return as_wire(exchange, buf_NxS, pairs=True)
+    return as_wire(exchange, buf_NxRxL, pairs=True)
+
+
+def _block(row: Array, offset: Array, size: int, shape: tuple[int, int]) -> Array:
+    """The block of ``shape`` at ``offset`` of a flat row (offset -1: a slot with no matrix, at 0)."""
+    return jax.lax.dynamic_slice_in_dim(row, jnp.maximum(offset, 0), size).reshape(shape)
 
 
 def _owned_results(
-    recv_NxS: Array, plan: Plan, me: Array | int, coeffs: Sequence[float], steps: int | Array, eps: float
+    recv_NxRxL: Array, plan: Plan, me: Array | int, coeffs: Sequence[float], steps: int | Array, eps: float
 ) -> Array:
-    """NS of the matrices rank ``me`` owns, from the received [N, S] buffer (row r: rank r's blocks),
-    as the [N, S] buffer to send back, both in the wire's dtype (NS itself in fp32). The same
-    program on every rank: each shape group's slots read this rank's offsets from a static table (a
-    -1 slot reads zeros and writes to a tail)."""
-    N, S, wire = plan.n_ranks, plan.segment, recv_NxS.dtype
+    """NS of the matrices rank ``me`` owns, from the received buffer (rank r's blocks at r), as the
+    buffer to send back, both in the wire's dtype (NS itself in fp32). Each rank's row is sliced
+    and written on its own, never as rows of one [N, S] array (which a TPU tiles N rows together:
+    taking them apart again was a relayout). The same program on every rank: each shape group's
+    slots read this rank's offsets from a static table (a -1 slot reads zeros and writes to a tail)."""
+    N, S, wire = plan.n_ranks, plan.segment, recv_NxRxL.dtype
+    rows = [recv_NxRxL[r].reshape(-1) for r in range(N)]
     tail = max(m * n // N for m, n in plan.shapes)
-    out = jnp.zeros((N, S + tail), wire)
+    outs = [jnp.zeros((S + tail,), wire) for _ in range(N)]
     for (m, n, ax), per_rank in plan.slots().items():
-        size = m * n // N
+        size, block = m * n // N, ((m // N, n) if ax == 0 else (m, n // N))  # ax: rank r's rows or columns
         table = np.asarray([[plan.offset[i] if i >= 0 else -1 for i in row] for row in per_rank], np.int32)
         offsets = jnp.asarray(table)[me]  # [k]: this rank's offsets in the group
         valid = offsets >= 0
-        pieces = [jax.lax.dynamic_slice_in_dim(recv_NxS, jnp.maximum(o, 0), size, axis=1) for o in offsets]
-        if ax == 0:  # row blocks in rank order
-            whole = jnp.stack([p.reshape(m, n) for p in pieces])
-        else:  # column blocks in rank order
-            whole = jnp.stack([p.reshape(N, m, n // N).transpose(1, 0, 2).reshape(m, n) for p in pieces])
-        whole = jnp.where(valid[:, None, None], whole.astype(jnp.float32), 0.0)
-        result = newton_schulz(whole, coeffs, steps, eps).astype(wire)
-        for r, o, ok in zip(result, offsets, valid, strict=True):
-            piece = r.reshape(N, size) if ax == 0 else r.reshape(m, N, n // N).transpose(1, 0, 2).reshape(N, size)
-            out = jax.lax.dynamic_update_slice_in_dim(out, piece, jnp.where(ok, o, S), axis=1)
-    return out[:, :S]
+        wholes = [jnp.concatenate([_block(row, o, size, block) for row in rows], ax) for o in offsets]
+        x = jnp.where(valid[:, None, None], jnp.stack(wholes).astype(jnp.float32), 0.0)
+        result = newton_schulz(x, coeffs, steps, eps).astype(wire)
+        for res, o, ok in zip(result, offsets, valid, strict=True):
+            at = jnp.where(ok, o, S)
+            parts = jnp.split(res, N, axis=ax)
+            outs = [
+                jax.lax.dynamic_update_slice_in_dim(out, p.reshape(-1), at, 0)
+                for out, p in zip(outs, parts, strict=True)
+            ]
+    return jnp.stack([out[:S].reshape(-1, ROW) for out in outs])
 
 
 def distributed_newton_schulz(
@@ -210,8 +218,9 @@ def distributed_newton_schulz(
     results = _owned_results(received, plan, me, coeffs, steps, eps)
     # All-to-all #2: row o now holds my blocks of the results of the matrices rank o owns.
     returned = _exchange(results, axis_name, N)
+    rows = [returned[o].reshape(-1) for o in range(N)]
     out = []
     for i, blk in enumerate(blocks):
-        piece = jax.lax.dynamic_slice_in_dim(returned[plan.owner[i]], plan.offset[i], blk.size)
+        piece = jax.lax.dynamic_slice_in_dim(rows[plan.owner[i]], plan.offset[i], blk.size)
         out.append(piece.reshape(blk.shape).astype(f32))
     return out

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from laplace_jax import ModelConfig, init_params
 from laplace_jax.optim import label_params, muon
-from laplace_jax.optim.newton_schulz import make_plan
+from laplace_jax.optim.newton_schulz import distributed_newton_schulz, make_plan
 
 
 def _run(tx, params, grads_fn, steps=10):
@@ -168,6 +168,31 @@ def test_compiled_update_has_two_all_to_alls_and_no_all_gather(comm_dtype):
         words = sum(math.prod(int(d) for d in dims.split(",")) for _, dims in parts)
         payload = words * (1 if comm_dtype is None else 2)  # elements: a word holds two bf16 values
         assert elements <= payload <= 2 * elements  # this rank's blocks, and the buffer's padding
+
+
+def test_a_bf16_exchange_flattens_and_slices_in_bf16():
+    """With a 16-bit wire every flattened (rank-1) array of the exchange is 16-bit: the blocks are
+    cast before they are packed and the results after they are sliced out (a TPU relayouts each
+    flattening; in fp32 they cost the 340M train step twice the bytes). The values are those of
+    casting at the wire: NS of the bf16-rounded matrices."""
+    r = np.random.default_rng(4)
+    shapes, split = [(16, 24), (24, 16), (32, 8)], [0, 1, 0]
+    blocks = [jnp.asarray(r.standard_normal(s), jnp.float32) for s in shapes]
+    plan = make_plan(shapes, 1, split)
+    kw = dict(axis_name=None, coeffs=(3.4445, -4.7750, 2.0315), steps=5, eps=1e-7)
+    fn = lambda bs: distributed_newton_schulz(bs, plan, comm_dtype=jnp.bfloat16, **kw)  # noqa: E731
+    moved = [
+        v.aval.dtype
+        for eqn in jax.make_jaxpr(fn)(blocks).jaxpr.eqns
+        if eqn.primitive.name in ("reshape", "concatenate", "pad", "dynamic_slice", "dynamic_update_slice", "slice")
+        for v in (*eqn.invars, *eqn.outvars)
+        if hasattr(v, "aval") and v.aval.ndim == 1 and jnp.issubdtype(v.aval.dtype, jnp.floating)
+    ]
+    assert moved and set(moved) == {jnp.dtype(jnp.bfloat16)}
+    rounded = [b.astype(jnp.bfloat16).astype(jnp.float32) for b in blocks]
+    want = distributed_newton_schulz(rounded, plan, comm_dtype=None, **kw)
+    for got, exp in zip(fn(blocks), want, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(exp.astype(jnp.bfloat16).astype(jnp.float32)))
 
 
 def test_routing_of_the_model_tree():
