@@ -195,13 +195,19 @@ def test_remat_policies_give_the_same_gradients_and_keep_what_they_say():
         for a, b in zip(jax.tree.leaves(grads(policy)), jax.tree.leaves(ref), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(b))))  # fp32 re-association
 
-    def saved(remat):  # residual bytes kept between forward and backward
+    def saved(remat):  # the residuals kept between forward and backward
         _, f_vjp = jax.vjp(lambda p: forward(ModelConfig(**kw, remat=remat), p, tokens), params)
-        return sum(x.nbytes for x in jax.tree.leaves(f_vjp))
+        return jax.tree.leaves(f_vjp)
 
-    sizes = {p: saved(p) for p in ("none", "full", "save_dots", "save_gla")}
+    sizes = {p: sum(x.nbytes for x in saved(p)) for p in ("none", "full", "save_dots", "save_gla")}
     assert sizes["full"] < sizes["save_gla"] < sizes["none"]
     assert sizes["full"] < sizes["save_dots"] < sizes["none"]
+    # save_gla keeps the GLA inputs as [layers, B, T, features] rows, not [.., T, H, d] (a TPU pads
+    # a few heads' tiles: docs/tpu.md, the 340M train step)
+    cfg, (B, T) = ModelConfig(**kw), tokens.shape
+    shapes = {x.shape for x in saved("save_gla")}
+    assert {(cfg.n_layers, B, T, cfg.key_dim), (cfg.n_layers, B, T, cfg.value_dim)} <= shapes
+    assert not any(s[2:4] == (T, cfg.n_heads) for s in shapes if len(s) == 5)
     assert ModelConfig(**kw, remat=True).remat == "full" and ModelConfig(**kw, remat=False).remat == "none"
     with pytest.raises(ConfigError, match=r"model\.remat must be one of"):
         ModelConfig(**kw, remat="everything")
