@@ -211,7 +211,7 @@ def distributed_newton_schulz(
     # flattening and slicing moves 2 bytes an element (the same values as casting at the wire).
     by_owner: dict[int, list[Array]] = {}
     for i, blk in enumerate(blocks):
-        by_owner.setdefault(plan.owner[i], []).append(blk.astype(f32).astype(wire))
+        by_owner.setdefault(plan.owner[i], []).append(blk.astype(wire))
     received = _exchange(_pack(by_owner, N, S, wire), axis_name, N)  # row r: rank r's blocks of the matrices I own
 
     me = jax.lax.axis_index(axis_name) if N > 1 else 0

@@ -199,13 +199,14 @@ def test_remat_policies_give_the_same_gradients_and_keep_what_they_say():
         _, f_vjp = jax.vjp(lambda p: forward(ModelConfig(**kw, remat=remat), p, tokens), params)
         return jax.tree.leaves(f_vjp)
 
-    sizes = {p: sum(x.nbytes for x in saved(p)) for p in ("none", "full", "save_dots", "save_gla")}
+    kept = {p: saved(p) for p in ("none", "full", "save_dots", "save_gla")}
+    sizes = {p: sum(x.nbytes for x in leaves) for p, leaves in kept.items()}
     assert sizes["full"] < sizes["save_gla"] < sizes["none"]
     assert sizes["full"] < sizes["save_dots"] < sizes["none"]
     # save_gla keeps the GLA inputs as [layers, B, T, features] rows, not [.., T, H, d] (a TPU pads
     # a few heads' tiles: docs/tpu.md, the 340M train step)
     cfg, (B, T) = ModelConfig(**kw), tokens.shape
-    shapes = {x.shape for x in saved("save_gla")}
+    shapes = {x.shape for x in kept["save_gla"]}
     assert {(cfg.n_layers, B, T, cfg.key_dim), (cfg.n_layers, B, T, cfg.value_dim)} <= shapes
     assert not any(s[2:4] == (T, cfg.n_heads) for s in shapes if len(s) == 5)
     assert ModelConfig(**kw, remat=True).remat == "full" and ModelConfig(**kw, remat=False).remat == "none"
