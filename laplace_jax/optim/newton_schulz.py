@@ -151,7 +151,12 @@ def _exchange(buf_NxRxL: Array, axis_name: str | None, n_ranks: int) -> Array:
     return as_wire(exchange, buf_NxRxL, pairs=True)
 
 
-def _block(row: Array, offset: Array, size: int, shape: tuple[int, int]) -> Array:
+def _flat_rows(buf_NxRxL: Array) -> list[Array]:
+    """Each rank's row of an exchange buffer, flat ([S]), taken apart one by one."""
+    return [buf_NxRxL[r].reshape(-1) for r in range(buf_NxRxL.shape[0])]
+
+
+def _block(row: Array, offset: Array | int, size: int, shape: tuple[int, ...]) -> Array:
     """The block of ``shape`` at ``offset`` of a flat row (offset -1: a slot with no matrix, at 0)."""
     return jax.lax.dynamic_slice_in_dim(row, jnp.maximum(offset, 0), size).reshape(shape)
 
@@ -165,7 +170,7 @@ def _owned_results(
     taking them apart again was a relayout). The same program on every rank: each shape group's
     slots read this rank's offsets from a static table (a -1 slot reads zeros and writes to a tail)."""
     N, S, wire = plan.n_ranks, plan.segment, recv_NxRxL.dtype
-    rows = [recv_NxRxL[r].reshape(-1) for r in range(N)]
+    rows = _flat_rows(recv_NxRxL)
     tail = max(m * n // N for m, n in plan.shapes)
     outs = [jnp.zeros((S + tail,), wire) for _ in range(N)]
     for (m, n, ax), per_rank in plan.slots().items():
@@ -218,9 +223,5 @@ def distributed_newton_schulz(
     results = _owned_results(received, plan, me, coeffs, steps, eps)
     # All-to-all #2: row o now holds my blocks of the results of the matrices rank o owns.
     returned = _exchange(results, axis_name, N)
-    rows = [returned[o].reshape(-1) for o in range(N)]
-    out = []
-    for i, blk in enumerate(blocks):
-        piece = jax.lax.dynamic_slice_in_dim(rows[plan.owner[i]], plan.offset[i], blk.size)
-        out.append(piece.reshape(blk.shape).astype(f32))
-    return out
+    rows = _flat_rows(returned)
+    return [_block(rows[plan.owner[i]], plan.offset[i], b.size, b.shape).astype(f32) for i, b in enumerate(blocks)]
