@@ -41,9 +41,11 @@ from laplace_jax.hlo_stats import Module, arrays, gla_kernels, loops, memory_rep
 from laplace_jax.ops.gla.limits import (
     MOSAIC_CONV_KERNEL,
     MOSAIC_DECODE_KERNELS,
+    MOSAIC_GATE_KERNEL,
     MOSAIC_KERNELS,
     MOSAIC_MATMUL_KERNEL,
     MOSAIC_NORM_KERNELS,
+    MOSAIC_PROJECTIONS_KERNEL,
     MOSAIC_STEP_KERNEL,
     MOSAIC_SWIGLU_KERNELS,
     matmul_form,
@@ -228,13 +230,21 @@ def mosaic_call(module: Module, comp: str, ins: Any) -> dict[str, Any] | None:
         form = matmul_form([dims for _, dims in operands])  # plain, residual or gated (ops/matmul/mosaic.py)
         shape = (M, I, O, int(arrays(ins.type)[0][0] == "f32"), form)
         return {"kernel": kernel, "shape": shape, "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
-    if kernel in MOSAIC_NORM_KERNELS[:2]:  # x [N, D], gain [1, w] (, gate [N, D]) (, dy [N, D]) -> y (, dx, dg (, dz))
+    if kernel == MOSAIC_PROJECTIONS_KERNEL:  # x [M, I], w_i [I, O_i] -> [M, O_i] each
+        (dtype, (M, I)), widths = operands[0], tuple(dims[1] for _, dims in operands[1:])
+        return {"kernel": kernel, "shape": (M, I, *widths), "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
+    if kernel == MOSAIC_GATE_KERNEL:  # x [M, D], w0 as [r, D], w1 [r, N], bias [N / 128, 128] (, live [1, M]) -> [N, M]
+        (dtype, (M, D)), (_, (r, _)), (_, (_, N)) = operands[:3]
+        shape = (M, D, r, N, int(operands[3][0] == "f32"), int(len(operands) == 5))
+        return {"kernel": kernel, "shape": shape, "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
+    if kernel in MOSAIC_NORM_KERNELS[:2]:  # x [N, D], gain_rows (, gate [N, D]) (, dy [N, D]) -> y (, dx, dg (, dz))
         bwd = kernel == MOSAIC_NORM_KERNELS[1]
         gated = len(operands) == 3 + bwd
-        (dtype, (N, D)), w, out = operands[0], operands[1][1][-1], operands[-1][0] if bwd else arrays(ins.type)[0][0]
+        (dtype, (N, D)), w = operands[0], math.prod(operands[1][1])  # the gain's width, from its rows
+        out = operands[-1][0] if bwd else arrays(ins.type)[0][0]
         shape = (N, D, w, int(out == "f32"), int(gated), int(operands[1][0] == "f32"))
         return {"kernel": kernel, "shape": shape, "dtype": _DTYPES.get(dtype, dtype), "bytes": moved}
-    if kernel in MOSAIC_NORM_KERNELS[2:]:  # x, h, gain [1, D] -> (r, y); r, gain, dy, dr -> (dx, dg)
+    if kernel in MOSAIC_NORM_KERNELS[2:]:  # x, h, gain (as rms_norm's) -> (r, y); r, gain, dy, dr -> (dx, dg)
         bwd = kernel == MOSAIC_NORM_KERNELS[3]
         (dtype, (N, D)), out = operands[0], operands[2][0] if bwd else arrays(ins.type)[1][0]
         shape = (N, D, D, int(out == "f32"), 0, int(operands[1 if bwd else 2][0] == "f32"))

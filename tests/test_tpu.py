@@ -417,12 +417,14 @@ def test_norms_and_swiglu_are_mosaic_kernels_forward_and_backward(topology):
 def test_few_row_products_are_the_mosaic_matmul_where_weights_have_their_own_buffers(topology, form):
     """The decode step at 128 rows, two layers of d_model 512, a vocabulary of 256. On v5p (two TensorCores) with each
     layer's weights in its own buffers (``unstack_weights``, serving's TPU form), every
-    projection whose widths are lane tiles is the Mosaic matmul, counted (never unestimated): per
-    layer q, k, v, g and o plain, gate and up as one call with SwiGLU's gate in it (no SwiGLU
-    kernel runs), down with the residual add in it, and the head; no weight is copied and no
-    weight is converted (the conv and norm kernels read bf16 weights as stored). With the weights
-    stacked the XLA dots read the slices in place and no matmul kernel runs; on v5e (one core)
-    neither form runs it."""
+    projection whose widths are lane tiles is a Mosaic call, counted (never unestimated): per
+    layer q, k, v and g as one call (``rows_projections``), o plain, gate and up as one call with
+    SwiGLU's gate in it (no SwiGLU kernel runs), down with the residual add in it, and the head;
+    GLA's low-rank gate and its log-sigmoid as one call; no weight is copied and no weight is
+    converted (the conv and norm kernels read bf16 weights as stored), and no norm gain is
+    relaid out as a [1, D] row (the kernels take a bitcast). With the weights stacked the XLA
+    dots read the slices in place and none of these kernels runs; on v5e (one core) neither
+    form runs them."""
     from laplace_jax.config import ModelConfig
     from laplace_jax.models.gla_lm import abstract_params, decode_step, init_state, unstack_weights
     from laplace_jax.tools.tpu_check import compile_for_tpu
@@ -442,7 +444,17 @@ def test_few_row_products_are_the_mosaic_matmul_where_weights_have_their_own_buf
     forms = Counter({form: 0 for form in (PLAIN, RESIDUAL, GATED)})
     for m in matmuls:
         forms[m["shape"][4]] += m["calls"]
-    assert forms == (Counter({PLAIN: 5 * L + 1, RESIDUAL: L, GATED: L}) if kernels else Counter()), forms
+    assert forms == (Counter({PLAIN: L + 1, RESIDUAL: L, GATED: L}) if kernels else Counter()), forms
+    fused = Counter({k: 0.0 for k in ("projections_mosaic_rows", "log_decay_mosaic_rows")})
+    for m in est["mosaic"]:
+        if m["kernel"] in fused:
+            fused[m["kernel"]] += m["calls"]
+            assert m["schedule_s"] > 0
+    assert fused == Counter({k: L * kernels for k in fused}), fused
+    if kernels:  # q, k, v, g: 256, 256, 512, 512 columns; gk: rank 16 -> 256
+        shapes = {m["kernel"]: m["shape"] for m in est["mosaic"] if m["kernel"] in fused}
+        assert shapes == {"projections_mosaic_rows": (B, 512, 256, 256, 512, 512),
+                          "log_decay_mosaic_rows": (B, 512, 16, 256, 0, 0)}, shapes  # fmt: skip
     rows = Counter(m["kernel"] for m in est["mosaic"] if m["kernel"].startswith(("rms_norm", "swiglu")))
     # the row kernels in every layer, either weight form, on v5p (also after a Mosaic matmul, whose
     # output names no device: ``layers.common.model_target``; SwiGLU's gate inside the gated
@@ -460,6 +472,8 @@ def test_few_row_products_are_the_mosaic_matmul_where_weights_have_their_own_buf
         assert not written & weights, written & weights
         converts = re.findall(r"= (\S+) convert\(", text[text.index("ENTRY") :])
         assert not (kernels and converts), converts
+        gains = re.findall(r"= bf16\[1,512\]\S* (?!bitcast)[a-z-]+\(", text[text.index("ENTRY") :])
+        assert not (topology.startswith("v5p") and gains), gains
 
 
 _NOT_WRITTEN = ("parameter", "bitcast", "get-tuple-element")

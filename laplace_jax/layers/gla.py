@@ -16,6 +16,10 @@ from laplace_jax.layers.common import (
     GatedRMSNorm,
     Linear,
     ShortConv,
+    Weight,
+    WeightAndBias,
+    log_decay,
+    projections,
     row_kernels,
     trace_of,
 )
@@ -48,9 +52,18 @@ class GatedLinearAttention(nn.Module):
         B, T, _ = x_BxTxD.shape
         H, G, dk, dv = cfg.n_heads, cfg.kv_groups, cfg.head_k_dim, cfg.head_v_dim
         lin = functools.partial(Linear, dtype=dt, init_std=cfg.init_std)
-        q = lin(cfg.key_dim, ("embed", "heads"), name="q_proj")(x_BxTxD)
-        k = lin(cfg.key_dim // G, ("embed", "heads"), name="k_proj")(x_BxTxD)
-        v = lin(cfg.value_dim // G, ("embed", "heads"), name="v_proj")(x_BxTxD)
+        w = dict(dtype=dt, init_std=cfg.init_std)
+        D = x_BxTxD.shape[-1]
+        x_BxTxD = x_BxTxD.astype(dt)
+        # q, k, v and the output gate's g: one call where the rows are few (``projections``)
+        widths = {
+            "q_proj": cfg.key_dim,
+            "k_proj": cfg.key_dim // G,
+            "v_proj": cfg.value_dim // G,
+            "g_proj": cfg.value_dim,
+        }
+        ws = tuple(Weight(width, ("embed", "heads"), name=name, **w)(D) for name, width in widths.items())
+        q, k, v, g = projections(x_BxTxD, ws)
         new_state: LayerState = {}
         if cfg.use_short_conv:
             conv = functools.partial(ShortConv, cfg.conv_size, dtype=dt, init_std=cfg.init_std, impl=cfg.attn_impl)
@@ -58,15 +71,13 @@ class GatedLinearAttention(nn.Module):
             q, new_state["conv_q"] = conv(name="q_conv1d")(q, cache("conv_q"), lengths_B)
             k, new_state["conv_k"] = conv(name="k_conv1d")(k, cache("conv_k"), lengths_B)
             v, new_state["conv_v"] = conv(name="v_conv1d")(v, cache("conv_v"), lengths_B)
-        gk = lin(cfg.gate_low_rank_dim, ("embed", "rank"), name="gk_proj_0")(x_BxTxD)
-        gk = lin(cfg.key_dim // G, ("rank", "heads"), use_bias=True, fp32_out=True, name="gk_proj_1")(gk)
-
-        gk = jax.nn.log_sigmoid(gk.astype(jnp.float32)) / cfg.gate_logit_normalizer
-        if cfg.clamp_min is not None:
-            gk = jnp.maximum(gk, cfg.clamp_min)
-        if lengths_B is not None:
-            valid = (jnp.arange(T)[None, :] < lengths_B[:, None])[:, :, None]
-            k, v, gk = (jnp.where(valid, a, 0) for a in (k, v, gk))
+        # gk_proj: a low-rank pair of projections (fla's names and parameters), then the log-decay
+        w0 = Weight(cfg.gate_low_rank_dim, ("embed", "rank"), name="gk_proj_0", **w)(D)
+        w1, b1 = WeightAndBias(cfg.key_dim // G, ("rank", "heads"), name="gk_proj_1", **w)(cfg.gate_low_rank_dim)
+        valid = None if lengths_B is None else jnp.arange(T)[None, :] < lengths_B[:, None]  # [B, T]
+        gk = log_decay(x_BxTxD, w0, w1, b1, cfg.gate_logit_normalizer, cfg.clamp_min, valid)  # 0 at padding
+        if valid is not None:
+            k, v = (jnp.where(valid[:, :, None], a, 0) for a in (k, v))
         # model.remat="save_gla" keeps these as [B, T, features] rows, before the heads are split
         # off: as [B, T, H, d] a TPU tiles the few heads on the sublanes (the 340M's 4, bf16: a
         # quarter of each tile), and stacking them over the layer scan cost the 340M train step on
@@ -94,7 +105,6 @@ class GatedLinearAttention(nn.Module):
             self.sow(trace, "inputs", (k, v, gk))
         new_state["gla"] = s
 
-        g = lin(cfg.value_dim, ("embed", "heads"), name="g_proj")(x_BxTxD)
         # Where the Mosaic norm runs (``row_kernels``) o and g meet it as [B, T, H * dv]: a
         # [.., H, dv] view would be a relayout of both (dv = 192 is not whole lane tiles). For
         # XLA's norm, in the decode step the gate meets o as [B*H, dv] rows: the state (and so o)
@@ -109,5 +119,5 @@ class GatedLinearAttention(nn.Module):
             rows = (B * H, dv) if T == 1 and state is not None else (B, T, H, dv)
         gate = GatedRMSNorm(dv, cfg.norm_eps, dtype=dt, name="g_norm_swish_gate")
         o = gate(o.reshape(rows), g.reshape(rows)).reshape(B, T, H * dv)
-        y = lin(x_BxTxD.shape[-1], ("heads", "embed"), name="o_proj")(o)
+        y = lin(D, ("heads", "embed"), name="o_proj")(o)
         return y, (None if state is None else new_state)

@@ -41,8 +41,10 @@ import tempfile
 from laplace_jax.ops.gla.limits import (
     GATED,
     MOSAIC_DECODE_KERNELS,
+    MOSAIC_GATE_KERNEL,
     MOSAIC_MATMUL_KERNEL,
     MOSAIC_NORM_KERNELS,
+    MOSAIC_PROJECTIONS_KERNEL,
     MOSAIC_STEP_KERNEL,
     MOSAIC_SWIGLU_KERNELS,
     RESIDUAL,
@@ -55,14 +57,17 @@ TOPOLOGY = {"v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}  # one chip 
 def decode_args(kernel: str, shape: tuple[int, ...], dtype: str) -> tuple:
     """A Mosaic decode-step kernel and ShapeDtypeStructs of its operands (the kernel's own
     layout): ``gla_mosaic_step`` at B,H,K,V, ``short_conv_mosaic_step`` at B,W,D,masked,
-    ``matmul_mosaic_rows`` at M,I,O,fp32_out,form, ``rms_norm_mosaic_fwd`` / ``_bwd`` at
-    N,D,w,fp32_out,gated,gain_f32 (the residual ones: D as w, gated 0), ``swiglu_mosaic_fwd`` /
-    ``_bwd`` at N,F. The conv step's weights are in the activations' dtype, as the model passes them."""
+    ``matmul_mosaic_rows`` at M,I,O,fp32_out,form, ``projections_mosaic_rows`` at M,I,O_1,O_2,..,
+    ``log_decay_mosaic_rows`` at M,D,r,N,bias_f32,masked (GLA's gate, normalizer 16, no clamp),
+    ``rms_norm_mosaic_fwd`` / ``_bwd`` at N,D,w,fp32_out,gated,gain_f32 (the residual ones: D as
+    w, gated 0), ``swiglu_mosaic_fwd`` / ``_bwd`` at N,F. The conv step's weights are in the
+    activations' dtype, as the model passes them."""
     import jax
     import jax.numpy as jnp
 
     from laplace_jax.ops.conv import mosaic_step as conv
     from laplace_jax.ops.gla import mosaic_step as gla
+    from laplace_jax.ops.matmul import log_decay
     from laplace_jax.ops.matmul import mosaic as matmul
     from laplace_jax.ops.norm import mosaic as norm
     from laplace_jax.ops.swiglu import mosaic_swiglu
@@ -76,6 +81,14 @@ def decode_args(kernel: str, shape: tuple[int, ...], dtype: str) -> tuple:
         if form == GATED:
             return matmul.gated_rows_matmul, (x, w, w)
         return (lambda x, w: matmul.rows_matmul(x, w, f32 if fp32_out else dtype)), (x, w)
+    if kernel == MOSAIC_PROJECTIONS_KERNEL:
+        M, I, *widths = shape
+        return (lambda x, *ws: matmul.rows_projections(x, ws)), (S((M, I), dtype), *(S((I, o), dtype) for o in widths))
+    if kernel == MOSAIC_GATE_KERNEL:
+        M, D, r, N, bias_f32, masked = shape
+        fn = lambda x, w0, w1, b, *v: log_decay.rows_log_decay(x, w0, w1, b, *(v or [None]), 16.0, None)  # noqa: E731
+        valid = [S((M,), jnp.bool_)] if masked else []
+        return fn, (S((M, D), dtype), S((D, r), dtype), S((r, N), dtype), S((N,), f32 if bias_f32 else dtype), *valid)
     if kernel in MOSAIC_SWIGLU_KERNELS:
         rows = S(shape, dtype)
         if kernel == MOSAIC_SWIGLU_KERNELS[0]:

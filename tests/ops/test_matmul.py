@@ -1,6 +1,7 @@
 """The few-row product as a Mosaic kernel (interpreted on CPU) against a float64 NumPy product,
 its gradient against the XLA dot's, and where ``takes`` sends a product; its residual and gated
-(SwiGLU) forms against float64 and against the unfused kernels they replace."""
+(SwiGLU) forms against float64 and against the unfused kernels they replace; several products of
+the same rows in one call (``rows_projections``) against the plain kernel's, bit for bit."""
 
 import jax
 import jax.numpy as jnp
@@ -11,13 +12,15 @@ from laplace_jax.ops.gla.limits import GATED, PLAIN, RESIDUAL, matmul_form
 from laplace_jax.ops.matmul import (
     gated_reference,
     gated_rows_matmul,
+    projections_take,
     reference,
     residual_reference,
     residual_rows_matmul,
     rows_matmul,
+    rows_projections,
     takes,
 )
-from laplace_jax.ops.matmul.mosaic import MAX_ROWS, column_block
+from laplace_jax.ops.matmul.mosaic import MAX_ROWS, column_block, projection_steps
 from laplace_jax.ops.swiglu import mosaic_swiglu
 
 
@@ -62,10 +65,20 @@ def test_takes_few_rows_of_whole_lane_tiles_in_one_dtype():
     assert not takes(256, 3072, 8192, jnp.float32, bf16)
 
 
-@pytest.mark.parametrize("I, O, block", [(3072, 8192, 512), (8192, 3072, 256), (3072, 1536, 256), (3072, 50304, 128)])
-def test_column_blocks_divide_the_weight_and_split_evenly_over_two_cores(I, O, block):
-    """1536 columns: 256-wide blocks (six: three per core) where 512 would give three."""
-    assert column_block(I, O) == block and O % block == 0
+@pytest.mark.parametrize(
+    "M, I, O, block",
+    [
+        (512, 3072, 8192, 512),
+        (256, 3072, 8192, 256),
+        (512, 8192, 3072, 256),
+        (512, 3072, 1536, 256),
+        (256, 3072, 50304, 128),
+        (512, 3072, 1024, 512),
+    ],
+)
+def test_column_blocks_divide_the_weight_and_split_evenly_over_two_cores(M, I, O, block):
+    """1536 columns at 512 rows: 256-wide blocks (six: three per core) where 512 would give three."""
+    assert column_block(M, I, O) == block and O % block == 0
 
 
 def _silu64(z):
@@ -133,3 +146,43 @@ def test_a_compiled_call_names_its_form_by_its_operands():
     assert matmul_form([(256, 3072), (3072, 8192)]) == PLAIN
     assert matmul_form([(256, 8192), (8192, 3072), (256, 3072)]) == RESIDUAL
     assert matmul_form([(256, 3072), (3072, 8192), (3072, 8192)]) == GATED
+
+
+@pytest.mark.parametrize("M, I, widths", [(8, 128, (256, 256, 512, 512)), (256, 384, (512, 256)), (1, 256, (256, 768))])
+def test_projections_are_the_plain_kernels_products_bit_for_bit(M, I, widths):
+    """bf16: each output of the one call equals the plain kernel's bf16 product with that weight,
+    bit for bit (the same fp32 product of a column block, rounded once), so within one bf16
+    rounding plus I fp32 roundings of the float64 product; and the gradient is the XLA dots'."""
+    r = np.random.default_rng(M + I)
+    x = jnp.asarray(r.standard_normal((M, I)), jnp.bfloat16)
+    ws = tuple(jnp.asarray(r.standard_normal((I, o)), jnp.bfloat16) for o in widths)
+    got = jax.jit(lambda a, b: rows_projections(a, b, True))(x, ws)
+    assert [y.shape for y in got] == [(M, o) for o in widths] and all(y.dtype == jnp.bfloat16 for y in got)
+    x64 = np.asarray(x, np.float64)
+    for y, w in zip(got, ws, strict=True):
+        plain = jax.jit(lambda a, b: rows_matmul(a, b, jnp.bfloat16, True))(x, w)
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(plain, np.float32))
+        w64 = np.asarray(w, np.float64)
+        want = x64 @ w64
+        bound = 2.0**-24 * I * (np.abs(x64) @ np.abs(w64)) + 2.0**-8 * np.abs(want) * 1.01
+        assert np.all(np.abs(np.asarray(y, np.float64) - want) <= bound)
+    x32, w32 = x.astype(jnp.float32), tuple(w.astype(jnp.float32) for w in ws)
+    cts = tuple(jnp.asarray(r.standard_normal((M, o)), jnp.float32) for o in widths)
+    loss = lambda f: lambda a, b: sum(jnp.sum(y * c) for y, c in zip(f(a, b), cts, strict=True))  # noqa: E731
+    ours = jax.grad(loss(lambda a, b: rows_projections(a, b, True)), argnums=(0, 1))(x32, w32)
+    xla = jax.grad(loss(lambda a, b: [reference(a, w, a.dtype) for w in b]), argnums=(0, 1))(x32, w32)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(xla), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(b))))
+
+
+def test_projections_split_every_weight_evenly_or_not_at_all():
+    """Grid steps: every weight's columns in whole lane tiles per step, an even count (two cores)."""
+    assert projection_steps((1536, 1536, 3072, 3072)) == 12  # the 3B's q, k, v, g
+    assert projection_steps((256, 256, 512, 512)) == 2
+    assert projection_steps((384, 768)) == 0  # three steps: not even
+    assert projection_steps((128, 256)) == 0  # one step: no split
+    bf16 = jnp.bfloat16
+    assert projections_take(256, 3072, (1536, 1536, 3072, 3072), bf16, bf16)
+    assert not projections_take(256, 3072, (1536,), bf16, bf16)  # one weight: the plain kernel
+    assert not projections_take(MAX_ROWS + 1, 3072, (1536, 3072), bf16, bf16)
+    assert not projections_take(256, 3072, (1536, 16), bf16, bf16)

@@ -10,6 +10,8 @@ MOSAIC_KERNELS = ("gla_mosaic_fwd", "gla_mosaic_bwd")  # the Mosaic kernels' nam
 MOSAIC_STEP_KERNEL = "gla_mosaic_step"  # the Mosaic decode-step kernels' names
 MOSAIC_CONV_KERNEL = "short_conv_mosaic_step"
 MOSAIC_MATMUL_KERNEL = "matmul_mosaic_rows"  # ops/matmul/mosaic.py: few-row products (decode, short prefill)
+MOSAIC_PROJECTIONS_KERNEL = "projections_mosaic_rows"  # ops/matmul/mosaic.py: several products of the same rows
+MOSAIC_GATE_KERNEL = "log_decay_mosaic_rows"  # ops/matmul/log_decay.py: GLA's low-rank log-decay gate, few rows
 PLAIN, RESIDUAL, GATED = 0, 1, 2  # its forms: x w; r + x w; silu(x w) (x u) (SwiGLU's hidden layer)
 
 
@@ -33,6 +35,8 @@ MOSAIC_DECODE_KERNELS = (
     MOSAIC_STEP_KERNEL,
     MOSAIC_CONV_KERNEL,
     MOSAIC_MATMUL_KERNEL,
+    MOSAIC_PROJECTIONS_KERNEL,
+    MOSAIC_GATE_KERNEL,
     *MOSAIC_NORM_KERNELS,
     *MOSAIC_SWIGLU_KERNELS,
 )
