@@ -40,7 +40,7 @@ from jax.experimental.pallas import tpu as pltpu
 from laplace_jax.ops.gla.limits import MOSAIC_GATE_KERNEL
 from laplace_jax.ops.matmul.mosaic import LANES, MAX_ROWS
 from laplace_jax.ops.matmul.mosaic import reference as matmul_reference
-from laplace_jax.ops.norm.mosaic import gain_rows
+from laplace_jax.ops.norm.mosaic import gain_rows, read_gain
 
 Array = jax.Array
 f32 = jnp.float32
@@ -74,8 +74,7 @@ def _kernel(x_ref, w0_ref, w1_ref, b_ref, *refs, normalizer: float, clamp: float
     nt = (((1,), (1,)), ((), ()))  # x [M, D] against w0 as [r, D]
     h = jax.lax.dot_general(x_ref[...], w0_ref[...], nt, preferred_element_type=f32).astype(x_ref.dtype)
     g = jnp.dot(h.astype(f32), w1_ref[...].astype(f32), preferred_element_type=f32)
-    rows = b_ref[...].astype(f32)
-    bias = jnp.concatenate([rows[j : j + 1] for j in range(rows.shape[0])], axis=-1)  # [1, N]
+    bias = read_gain(b_ref)  # [1, N] fp32
     width = g.shape[1]
     for j in range(BLOCKS):  # the block's lanes of the bias: static slices, one branch per block
 

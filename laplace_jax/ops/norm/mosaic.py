@@ -115,16 +115,16 @@ def gain_rows(gain: Array) -> Array:
     return gain.reshape(w // LANES, LANES) if w % LANES == 0 else gain.reshape(1, w)
 
 
-def _gain(g_ref) -> Array:
-    """The gain [1, w] in float32 from ``gain_rows``' form, converted in VMEM from the dtype it is
-    stored in (bf16 serving weights: no convert op); lane tiles are joined on chip."""
+def read_gain(g_ref) -> Array:
+    """In a kernel: the gain [1, w] in float32 from ``gain_rows``' form, converted in VMEM from the
+    dtype it is stored in (bf16 serving weights: no convert op); lane tiles are joined on chip."""
     g = g_ref[...].astype(jnp.float32)
     return g if g.shape[0] == 1 else jnp.concatenate([g[j : j + 1] for j in range(g.shape[0])], axis=-1)
 
 
 def _forward_kernel(x_ref, g_ref, *refs, eps: float, gated: bool, groups: int):
     z_ref, y_ref = refs if gated else (None, *refs)
-    y = _normalized(x_ref[...].astype(jnp.float32), _gain(g_ref), groups, eps)
+    y = _normalized(x_ref[...].astype(jnp.float32), read_gain(g_ref), groups, eps)
     if gated:
         y = y * swish(z_ref[...].astype(jnp.float32))[0]
     y_ref[...] = y.astype(y_ref.dtype)
@@ -132,7 +132,7 @@ def _forward_kernel(x_ref, g_ref, *refs, eps: float, gated: bool, groups: int):
 
 def _backward_kernel(x_ref, g_ref, *refs, eps: float, gated: bool, groups: int):
     z_ref, dy_ref, dx_ref, dg_ref, dz_ref = refs if gated else (None, *refs, None)
-    x, dy, g = x_ref[...].astype(jnp.float32), dy_ref[...].astype(jnp.float32), _tiled(_gain(g_ref), groups)
+    x, dy, g = x_ref[...].astype(jnp.float32), dy_ref[...].astype(jnp.float32), _tiled(read_gain(g_ref), groups)
     if gated:
         a, da = swish(z_ref[...].astype(jnp.float32))
         s = jax.lax.rsqrt(_group_mean(x * x, groups) + eps)
@@ -146,12 +146,12 @@ def _backward_kernel(x_ref, g_ref, *refs, eps: float, gated: bool, groups: int):
 def _residual_forward_kernel(x_ref, h_ref, g_ref, r_ref, y_ref, *, eps: float, groups: int):
     r = (x_ref[...].astype(jnp.float32) + h_ref[...].astype(jnp.float32)).astype(r_ref.dtype)
     r_ref[...] = r
-    y_ref[...] = _normalized(r.astype(jnp.float32), _gain(g_ref), groups, eps).astype(y_ref.dtype)
+    y_ref[...] = _normalized(r.astype(jnp.float32), read_gain(g_ref), groups, eps).astype(y_ref.dtype)
 
 
 def _residual_backward_kernel(r_ref, g_ref, dy_ref, dr_ref, dx_ref, dg_ref, *, eps: float, groups: int):
     r, dy = r_ref[...].astype(jnp.float32), dy_ref[...].astype(jnp.float32)
-    dx, n, dy = _input_grads(r, _tiled(_gain(g_ref), groups), dy, groups, eps)
+    dx, n, dy = _input_grads(r, _tiled(read_gain(g_ref), groups), dy, groups, eps)
     dx_ref[...] = (dx + dr_ref[...].astype(jnp.float32)).astype(dx_ref.dtype)
     dg_ref[...] = _gain_grad(dy, n, groups)
 
