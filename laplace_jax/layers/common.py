@@ -136,13 +136,18 @@ def weights_in_own_buffers() -> Iterator[None]:
         _OWN_BUFFERS.reset(token)
 
 
-def _rows_kernel(x: Array, w_IxO: Array, check_widths: bool = True) -> bool:
-    """Whether x [.., I] @ w takes the Mosaic few-row kernels: inside ``weights_in_own_buffers``,
-    in a program compiled for a TPU with two TensorCores per chip (v4, v5p), rows and widths
-    ``ops.matmul.takes`` (unless a caller checks its own: ``check_widths`` False)."""
+def _few_row_target(w: Array) -> bool:
+    """Whether the Mosaic few-row kernels may read weight ``w``: inside ``weights_in_own_buffers``,
+    in a program compiled for a TPU with two TensorCores per chip (v4, v5p). Each caller checks
+    its own kernel's sizes beside it."""
+    return _OWN_BUFFERS.get() and two_core_tpu(compile_target(w))
+
+
+def _rows_kernel(x: Array, w_IxO: Array) -> bool:
+    """Whether x [.., I] @ w takes the Mosaic few-row kernels: ``_few_row_target``, rows and widths
+    ``ops.matmul.takes``."""
     rows = math.prod(x.shape[:-1])
-    takes = not check_widths or mosaic_matmul.takes(rows, *w_IxO.shape, x.dtype, w_IxO.dtype)
-    return takes and _OWN_BUFFERS.get() and two_core_tpu(compile_target(w_IxO))
+    return mosaic_matmul.takes(rows, *w_IxO.shape, x.dtype, w_IxO.dtype) and _few_row_target(w_IxO)
 
 
 def _as_rows(kernel: Any, residual: bool = False) -> Any:
@@ -195,7 +200,7 @@ def projections(x: Array, ws: tuple[Array, ...]) -> tuple[Array, ...]:
     rows, I = math.prod(x.shape[:-1]), x.shape[-1]
     widths = tuple(w.shape[1] for w in ws)
     same = all(w.dtype == ws[0].dtype for w in ws)
-    if same and mosaic_matmul.projections_take(rows, I, widths, x.dtype, ws[0].dtype) and _rows_kernel(x, ws[0]):
+    if same and mosaic_matmul.projections_take(rows, I, widths, x.dtype, ws[0].dtype) and _few_row_target(ws[0]):
 
         def kernel(x, *ws):
             ys = mosaic_matmul.rows_projections(x.reshape(rows, I), ws)
@@ -237,7 +242,7 @@ def log_decay(
     masks = () if valid is None else (valid,)
     rows, (D, r), N = math.prod(x.shape[:-1]), w0.shape, w1.shape[1]
     same_dtype = x.dtype == w0.dtype == w1.dtype
-    if same_dtype and mosaic_matmul.log_decay_takes(rows, D, r, N) and _rows_kernel(x, w0, check_widths=False):
+    if same_dtype and mosaic_matmul.log_decay_takes(rows, D, r, N) and _few_row_target(w0):
 
         def kernel(x, w0, w1, bias, *valid):
             flat = valid[0].reshape(rows) if valid else None
