@@ -47,6 +47,17 @@ def persistent_compile_cache(path):
         compilation_cache.reset_cache()
 
 
+def child_env(devices: int | None = None) -> dict[str, str]:
+    """The environment for a process a test starts: this one's, with the suite's XLA flags
+    (``conftest``) except the fake device count, which becomes ``devices`` (None: one CPU device,
+    as a user's process has)."""
+    device_flag = "--xla_force_host_platform_device_count"
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(device_flag)]
+    if devices is not None:
+        flags.append(f"{device_flag}={devices}")
+    return {**os.environ, "XLA_FLAGS": " ".join(flags)}
+
+
 def micro_config(**sections):
     """The typed config of a 2-layer d=64 byte model on a slice of the embedded corpus; ``sections``
     update config blocks (dicts, as a config file would)."""

@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, micro_config, persistent_compile_cache
+from helpers import ROOT, child_env, micro_config, persistent_compile_cache
 
 from laplace_jax.checkpoint import CHECKSUMS, damage, load_trained
 from laplace_jax.errors import CheckpointError
@@ -122,10 +122,9 @@ def test_kill_9_during_checkpoint_writes_then_rerun_resumes_exactly(tmp_path, co
     (mesh.context=2)."""
     args = ["--config", "configs/tiny.py", "--config.train.steps=10", "--config.train.ckpt_every=1"]
     args += ["--config.train.eval_every=0", "--config.data.embedded_max_chars=300000"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env(context if context > 1 else None)
     if context > 1:
         args += [f"--config.mesh.context={context}", "--config.mesh.fsdp=1"]
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={context}"
     err = open(tmp_path / "a.err", "wb")  # noqa: SIM115  (the uninterrupted run's messages, read at the end)
     straight = subprocess.Popen(  # the uninterrupted run, beside the one to kill (2 cores: ~one run's time)
         [sys.executable, "train.py", *args, f"--workdir={tmp_path / 'a'}"], cwd=ROOT, env=env,

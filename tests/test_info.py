@@ -1,15 +1,15 @@
 """The info CLI: model facts and the compiled Muon communication report for 3B on 64 fake devices."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from helpers import child_env
 
 
 def _info(*args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "laplace_jax.info", *args], capture_output=True, text=True, env=env)
     return proc
 

@@ -3,7 +3,6 @@ eval CLI's outputs and bad-input messages."""
 
 import dataclasses
 import json
-import os
 import re
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, child_env
 from serving_helpers import serve_config
 
 from laplace_jax import ModelConfig, forward, init_params
@@ -254,7 +253,7 @@ def test_short_recall_training_beats_chance(tmp_path):
     cmd = [sys.executable, "train.py", "--config", "configs/recall_tiny.py:1x", "--workdir", str(work)]
     cmd += ["--config.data.seq_len=64", "--config.data.mqar.max_pairs=4", "--config.train.steps=160"]
     cmd += ["--config.train.eval_every=0", "--config.train.ckpt_every=160", "--config.opt.warmup_steps=20"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs it
+    env = child_env()  # one CPU device, as a user runs it
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "eval"

@@ -15,6 +15,7 @@ import jax
 import openai
 import portpicker
 import pytest
+from helpers import child_env
 from prometheus_client.parser import text_string_to_metric_families
 from serving_helpers import CFG
 
@@ -81,7 +82,7 @@ def _model_dir(path, seed: int) -> str:
 
 
 def _launch(args: list[str], log) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each replica: one CPU device
+    env = child_env()  # each replica: one CPU device
     cmd = [sys.executable, "-m", "laplace_jax.serve.cluster", *args]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -231,7 +232,7 @@ def _another_model_is_refused(tmp_path, replica: str) -> None:
     """A server of other weights under the same name, fronted with ``replica``: the launcher refuses."""
     other = _model_dir(tmp_path / "other", 1)
     other_port = portpicker.pick_unused_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     cmd = [sys.executable, "-m", "laplace_jax.serve.cli", "--checkpoint", other, "--tokenizer", "byte"]
     odd = subprocess.Popen([*cmd, "--model-name", "tiny", "--port", str(other_port)], env=env)
     try:

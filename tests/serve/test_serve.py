@@ -2,7 +2,6 @@
 
 import concurrent.futures
 import json
-import os
 import re
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import portpicker
 import pytest
+from helpers import child_env
 from prometheus_client.parser import text_string_to_metric_families
 from serving_helpers import CFG, PARAMS, TOK, Running, reference_greedy
 
@@ -273,7 +273,7 @@ print(json.dumps({"hits": m.cache_hits._value.get(), "misses": m.cache_misses._v
 
 @pytest.mark.slow
 def test_warm_compile_cache_restart_compiles_nothing(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     runs = [
         json.loads(
             subprocess.run(
@@ -328,9 +328,7 @@ def start_serve_py(tmp_path, *extra: str, cpu_devices: int = 1) -> tuple[subproc
 
     save_model(str(tmp_path / "m"), CFG, PARAMS)
     port = portpicker.pick_unused_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    if cpu_devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={cpu_devices}"
+    env = child_env(cpu_devices if cpu_devices > 1 else None)
     args = ["--checkpoint", str(tmp_path / "m"), "--tokenizer", "byte", "--port", str(port), "--max-num-seqs", "2"]
     proc = subprocess.Popen(
         [sys.executable, "serve.py", *args, "--steps-per-call", "1", *extra],

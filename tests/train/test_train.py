@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import micro_config, reference_value_and_grad
+from helpers import child_env, micro_config, reference_value_and_grad
 
 from laplace_jax.checkpoint import TrainCheckpointer, load_trained
 from laplace_jax.errors import UserError
@@ -116,7 +116,7 @@ def test_checkpoint_from_4_devices_restores_on_1_in_fresh_process(tmp_path):
         "from laplace_jax.models.gla_lm import forward; _, c, p = load_trained(sys.argv[1]); "
         "np.save(sys.argv[2], np.asarray(forward(c, p, jnp.asarray(np.arange(1, 41, dtype=np.int32).reshape(2, 20)))))"
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     subprocess.run([sys.executable, "-c", code, str(tmp_path), str(tmp_path / "l.npy")], check=True, env=env)
     np.testing.assert_allclose(np.load(tmp_path / "l.npy"), here, rtol=1e-6, atol=1e-6)
 
@@ -150,7 +150,7 @@ def test_bad_input_is_reported(tmp_path):
 
 
 def test_train_cli_errors_are_clean(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.run(
         [
             sys.executable,
@@ -183,7 +183,7 @@ MICRO_FLAGS = [
 
 
 def _train_proc(workdir, n_devices, extra=()):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n_devices}"}
+    env = child_env(n_devices)
     cmd = [sys.executable, "train.py", "--config", "configs/tiny.py", *MICRO_FLAGS, "--workdir", str(workdir), *extra]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -216,7 +216,7 @@ def test_two_processes_equal_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_3b_plan_compiles_for_64_devices():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "train.py", "--config", "configs/3b.py", "--plan", "--json"],
         capture_output=True,
@@ -251,7 +251,7 @@ def test_3b_plan_compiles_for_64_devices():
 
 
 def test_3b_on_this_machine_stops_with_advice(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "train.py", "--config", "configs/3b.py", "--workdir", str(tmp_path)],
         capture_output=True,
