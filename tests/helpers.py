@@ -47,13 +47,13 @@ def persistent_compile_cache(path):
         compilation_cache.reset_cache()
 
 
-def child_env(devices: int | None = None) -> dict[str, str]:
+def child_env(devices: int = 1) -> dict[str, str]:
     """The environment for a process a test starts: this one's, with the suite's XLA flags
-    (``conftest``) except the fake device count, which becomes ``devices`` (None: one CPU device,
-    as a user's process has)."""
+    (``conftest``) except the fake device count, which becomes ``devices`` CPU devices (1: none
+    faked, as a user's process has)."""
     device_flag = "--xla_force_host_platform_device_count"
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(device_flag)]
-    if devices is not None:
+    if devices > 1:
         flags.append(f"{device_flag}={devices}")
     return {**os.environ, "XLA_FLAGS": " ".join(flags)}
 

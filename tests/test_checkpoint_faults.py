@@ -122,7 +122,7 @@ def test_kill_9_during_checkpoint_writes_then_rerun_resumes_exactly(tmp_path, co
     (mesh.context=2)."""
     args = ["--config", "configs/tiny.py", "--config.train.steps=10", "--config.train.ckpt_every=1"]
     args += ["--config.train.eval_every=0", "--config.data.embedded_max_chars=300000"]
-    env = child_env(context if context > 1 else None)
+    env = child_env(context)
     if context > 1:
         args += [f"--config.mesh.context={context}", "--config.mesh.fsdp=1"]
     err = open(tmp_path / "a.err", "wb")  # noqa: SIM115  (the uninterrupted run's messages, read at the end)

@@ -328,7 +328,7 @@ def start_serve_py(tmp_path, *extra: str, cpu_devices: int = 1) -> tuple[subproc
 
     save_model(str(tmp_path / "m"), CFG, PARAMS)
     port = portpicker.pick_unused_port()
-    env = child_env(cpu_devices if cpu_devices > 1 else None)
+    env = child_env(cpu_devices)
     args = ["--checkpoint", str(tmp_path / "m"), "--tokenizer", "byte", "--port", str(port), "--max-num-seqs", "2"]
     proc = subprocess.Popen(
         [sys.executable, "serve.py", *args, "--steps-per-call", "1", *extra],
