@@ -478,3 +478,30 @@ def test_few_row_products_are_the_mosaic_matmul_where_weights_have_their_own_buf
 
 
 _NOT_WRITTEN = ("parameter", "bitcast", "get-tuple-element")
+
+
+def test_muons_exchange_for_a_tpu_moves_bf16_slabs_with_no_relayout_and_no_loop():
+    """Muon's update compiled for v5e:2x2 (fsdp 4, a bf16 wire) on matrices shaped as the 340M
+    config's blocks (256 or 768 rows or columns per rank): the two all-to-alls carry bf16 itself
+    in 256-wide rows (not bits in words: the TPU's branch of ``newton_schulz._exchange``), no
+    large array is copied or reshaped (the buffer holds the blocks as whole lane tiles, where a
+    flat buffer was relaid out on both sides), and Newton-Schulz runs unrolled (no while loop,
+    whose carried matrices the compiler copied every iteration)."""
+    from laplace_jax.optim.muon import scale_by_muon
+
+    _, devices = tpu_devices("v5e:2x2")
+    mesh = jax.make_mesh((4,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+    shapes = {"q": (8, 1024, 512), "up": (8, 1024, 768), "down": (4, 768, 1024)}
+    specs = {k: P(None, "fsdp", None) if k != "down" else P(None, None, "fsdp") for k in shapes}
+    sharded = {k: NamedSharding(mesh, specs[k]) for k in shapes}
+    tree = {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharded[k]) for k, s in shapes.items()}
+    tx = scale_by_muon(mesh=mesh, param_specs=specs, comm_dtype=jnp.bfloat16)
+    state = jax.eval_shape(tx.init, tree)
+    state = type(state)({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharded[k]) for k, v in state[0].items()})
+    lines = jax.jit(tx.update).lower(tree, state).compile().as_text().splitlines()
+    exchanges = [line for line in lines if " all-to-all(" in line]
+    assert len(exchanges) == 2 and all(re.search(r"= bf16\[[\d,]+,256\]", line) for line in exchanges), exchanges
+    size = lambda line: np.prod([int(d) for d in re.search(r"= \w+\[([\d,]*)\]", line).group(1).split(",") if d])  # noqa: E731
+    moved = [line for line in lines if re.search(r" (copy|reshape)\(", line) and size(line) >= 2**20]
+    assert moved == [], moved[:3]
+    assert not any(" while(" in line for line in lines)

@@ -10,9 +10,10 @@ Every rank runs the same program, with no branch on the rank (Neuron has no ``la
 ``switch``): matrices are grouped by shape, and for each group every rank works through the
 same number of slots, k_g = the most matrices of that group any rank owns. A rank's slots
 pick its own matrices from the received buffer through a static offset table indexed by the
-axis index; slots it does not need read zeros and write to a scratch tail. The owners are
-assigned with at most ceil(count_g / N) matrices of a group per rank, which makes k_g as small
-as it can be. N = 1 is the same code without collectives.
+axis index; slots it does not need (where a group's count is not a multiple of N) read zeros
+and write past the segments. The owners are assigned with at most ceil(count_g / N) matrices
+of a group per rank, which makes k_g as small as it can be. N = 1 is the same code without
+collectives.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from laplace_jax.parallel import as_wire
+from laplace_jax.platform import per_platform
 
 Array = jax.Array
-ROW = 256  # the exchange buffer's rows: two lane tiles, so a 16-bit payload's words (``as_wire``) are whole tiles
+LANES = (256, 128, 64, 32, 16, 8, 4, 2)  # the exchange buffer's row widths, widest first (see ``lane_width``)
+PADDING = 1.25  # the most a row width may grow the payload by (its blocks' columns padded to whole rows)
+ALIGN = 16  # at 128 lanes or more, each block starts at a multiple of this many rows (a 16-bit tile's)
 
 
 def newton_schulz(x: Array, coeffs: Sequence[float], steps: int | Array, eps: float) -> Array:
@@ -48,7 +52,11 @@ def newton_schulz(x: Array, coeffs: Sequence[float], steps: int | Array, eps: fl
         gram = x @ jnp.swapaxes(x, -1, -2)
         return a * x + (b * gram + c * gram @ gram) @ x
 
-    x = jax.lax.fori_loop(0, steps, iteration, x)
+    # A TPU runs a static count unrolled: around the loop it copied the carried matrices every
+    # iteration (2.2 ms of the 340M train step on v5e:2x2, compiler estimate); XLA:CPU runs the
+    # loop faster than the unrolled steps.
+    loop = functools.partial(jax.lax.fori_loop, 0, steps, iteration)
+    x = per_platform(x, default=loop, tpu=functools.partial(loop, unroll=True)) if isinstance(steps, int) else loop(x)
     return jnp.swapaxes(x, -1, -2) if tall else x
 
 
@@ -63,11 +71,14 @@ class Plan:
     """Static assignment of matrices to owner ranks and the all-to-all buffer layout.
 
     shapes[i]: (rows, cols) of matrix i, its split axis padded to a multiple of N; split[i]: 0 if
-    ranks hold row blocks, 1 if column blocks; owner[i]: its rank;
-    offset[i]: start of a rank's block of it (rows or columns, per split[i]) inside the owner's
-    segment; segment: padded segment
-    length S (elements, a multiple of ``ROW``) so every rank sends and receives an [N, S / ROW, ROW]
-    buffer.
+    ranks hold row blocks, 1 if column blocks (which travel transposed, as row blocks of the
+    transpose: the owner runs NS on the transpose, NS(X^T) = NS(X)^T, so no block is narrower
+    than its matrix); owner[i]: its rank. Every rank sends and receives an [N * S, L] buffer:
+    ``lanes`` L wide, a ``segment`` of S rows per rank, each owner's matrices group after group
+    (``layout``). A rank's block of matrix i lies in the owner's segment from row offset[i], as
+    its columns cut into L-wide slabs (the last one zero-padded) stacked one under the other
+    (``_slabs``): slicing and joining whole lane tiles, never a reshape, which on a TPU is a
+    relayout of every element.
     """
 
     n_ranks: int
@@ -76,7 +87,18 @@ class Plan:
     owner: tuple[int, ...]
     offset: tuple[int, ...]
     segment: int
+    lanes: int
     flops: tuple[float, ...]  # per NS iteration
+
+    def layout(self) -> list[tuple[tuple[int, int], int, list[list[int]]]]:
+        """Every segment's layout, group after group (``slots()``' order): a rank's block shape (a
+        column block travels transposed, as rows of the transpose), its rows in the buffer
+        (``_rows``), and per rank the matrices of its slots."""
+        N, out = self.n_ranks, []
+        for (m, n, ax), per_rank in self.slots().items():
+            block = (m // N, n) if ax == 0 else (n // N, m)
+            out.append((block, _rows(block, self.lanes), per_rank))
+        return out
 
     def matrices_of(self, rank: int) -> list[int]:
         return [i for i, o in enumerate(self.owner) if o == rank]
@@ -123,72 +145,100 @@ def make_plan(shapes: Sequence[tuple[int, int]], n_ranks: int, split: Sequence[i
         owner[i] = r
         load[r] += flops[i]
         held[g][r] += 1
-    offset = [0] * len(shapes)
-    used = [0] * n_ranks
-    for i, (m, n) in enumerate(padded):
-        offset[i] = used[owner[i]]
-        used[owner[i]] += m * n // n_ranks
-    segment = -(-max([*used, 1]) // ROW) * ROW
-    return Plan(n_ranks, padded, split, tuple(owner), tuple(offset), segment, flops)
+    blocks = [(m // n_ranks, n) if ax == 0 else (n // n_ranks, m) for (m, n), ax in zip(padded, split, strict=True)]
+    lanes = lane_width(blocks)
+    plan = Plan(n_ranks, padded, split, tuple(owner), (), 0, lanes, flops)
+    offset, used = [0] * len(shapes), [0] * n_ranks
+    for _, rows, per_rank in plan.layout():  # an owner's segment: its matrices group after group
+        for o, mine in enumerate(per_rank):
+            for i in (i for i in mine if i >= 0):
+                offset[i], used[o] = used[o], used[o] + rows
+    return dataclasses.replace(plan, offset=tuple(offset), segment=max([*used, 1]))
 
 
-def _pack(pieces_by_owner: dict[int, list[Array]], n_ranks: int, segment: int, wire: jnp.dtype) -> Array:
-    """The [N, S / ROW, ROW] send buffer in ``wire``: row o holds the flattened pieces for rank o
-    (already in ``wire``), zero-padded to S."""
-    rows = []
-    for o in range(n_ranks):
-        flat = [p.reshape(-1) for p in pieces_by_owner.get(o, [])]
-        row = jnp.concatenate(flat) if flat else jnp.zeros((0,), wire)
-        rows.append(jnp.pad(row, (0, segment - row.shape[0])).reshape(-1, ROW))
-    return jnp.stack(rows)
+def lane_width(blocks: Sequence[tuple[int, int]]) -> int:
+    """The widest of ``LANES`` at which padding every block's columns to whole rows grows the
+    payload by at most ``PADDING`` (256 for the configs' matrices: 2 or 4 lane tiles; a tiny
+    test model's narrow blocks get a narrower row). Even, so ``as_wire`` can pair its halves."""
+    elements = sum(a * b for a, b in blocks) or 1
+    fits = [w for w in LANES if sum(_rows(blk, w) * w for blk in blocks) <= PADDING * elements]
+    return fits[0] if fits else LANES[-1]
 
 
-def _exchange(buf_NxRxL: Array, axis_name: str | None, n_ranks: int) -> Array:
-    """One all-to-all of the buffer's ranks over ``axis_name`` (nothing with one rank), in its dtype."""
+def _align(rows: int, lanes: int) -> int:
+    step = ALIGN if lanes >= 128 else 1
+    return -(-rows // step) * step
+
+
+def _rows(shape: tuple[int, int], lanes: int) -> int:
+    a, b = shape
+    return _align(a * -(-b // lanes), lanes)
+
+
+def _slabs(block_AxB: Array, lanes: int) -> Array:
+    """[block_rows, lanes]: the block's columns in L-wide slabs (the last zero-padded), stacked."""
+    a, b = block_AxB.shape
+    k = -(-b // lanes)
+    x = jnp.pad(block_AxB, ((0, 0), (0, k * lanes - b)))
+    x = jnp.concatenate([x[:, j * lanes : (j + 1) * lanes] for j in range(k)], axis=0)
+    return jnp.pad(x, ((0, _rows((a, b), lanes) - k * a), (0, 0)))
+
+
+def _block(buf_RxL: Array, row: Array | int, shape: tuple[int, int]) -> Array:
+    """The block of ``shape`` whose slabs start at ``row`` of an exchange buffer."""
+    a, b = shape
+    L = buf_RxL.shape[1]
+    k = -(-b // L)
+    x = jax.lax.dynamic_slice_in_dim(buf_RxL, row, k * a, axis=0)
+    return jnp.concatenate([x[j * a : (j + 1) * a] for j in range(k)], axis=1)[:, :b]
+
+
+def _pack(plan: Plan, blocks: Sequence[Array]) -> Array:
+    """The [N * S, L] send buffer: segment o holds the slabs of this rank's blocks of the
+    matrices rank o owns (already in the wire's dtype), at their offsets, zero-padded. One
+    concatenation of whole tiles: no stack of per-rank rows (a TPU pads and merges each)."""
+    pieces = []
+    for o in range(plan.n_ranks):
+        mine = [_slabs(blocks[i], plan.lanes) for _, i in sorted((plan.offset[i], i) for i in plan.matrices_of(o))]
+        rows = sum(x.shape[0] for x in mine)
+        pieces += [*mine, jnp.zeros((plan.segment - rows, plan.lanes), blocks[0].dtype)]
+    return jnp.concatenate(pieces)
+
+
+def _exchange(buf_RxL: Array, axis_name: str | None, n_ranks: int) -> Array:
+    """One all-to-all of the buffer's N segments over ``axis_name`` (nothing with one rank), in its
+    dtype: a 16-bit float as itself where the program is compiled for a TPU, elsewhere as pairs of
+    its bits in uint32 words (``as_wire``: XLA:CPU widens 16-bit float collectives)."""
     if n_ranks == 1:
-        return buf_NxRxL
+        return buf_RxL
     exchange = functools.partial(jax.lax.all_to_all, axis_name=axis_name, split_axis=0, concat_axis=0, tiled=True)
-    return as_wire(exchange, buf_NxRxL, pairs=True)
-
-
-def _flat_rows(buf_NxRxL: Array) -> list[Array]:
-    """Each rank's row of an exchange buffer, flat ([S]), taken apart one by one."""
-    return [buf_NxRxL[r].reshape(-1) for r in range(buf_NxRxL.shape[0])]
-
-
-def _block(row: Array, offset: Array | int, size: int, shape: tuple[int, ...]) -> Array:
-    """The block of ``shape`` at ``offset`` of a flat row (offset -1: a slot with no matrix, at 0)."""
-    return jax.lax.dynamic_slice_in_dim(row, jnp.maximum(offset, 0), size).reshape(shape)
+    return per_platform(buf_RxL, default=lambda x: as_wire(exchange, x, pairs=True), tpu=exchange)
 
 
 def _owned_results(
-    recv_NxRxL: Array, plan: Plan, me: Array | int, coeffs: Sequence[float], steps: int | Array, eps: float
+    recv_RxL: Array, plan: Plan, me: Array | int, coeffs: Sequence[float], steps: int | Array, eps: float
 ) -> Array:
-    """NS of the matrices rank ``me`` owns, from the received buffer (rank r's blocks at r), as the
-    buffer to send back, both in the wire's dtype (NS itself in fp32). Each rank's row is sliced
-    and written on its own, never as rows of one [N, S] array (which a TPU tiles N rows together:
-    taking them apart again was a relayout). The same program on every rank: each shape group's
-    slots read this rank's offsets from a static table (a -1 slot reads zeros and writes to a tail)."""
-    N, S, wire = plan.n_ranks, plan.segment, recv_NxRxL.dtype
-    rows = _flat_rows(recv_NxRxL)
-    tail = max(m * n // N for m, n in plan.shapes)
-    outs = [jnp.zeros((S + tail,), wire) for _ in range(N)]
-    for (m, n, ax), per_rank in plan.slots().items():
-        size, block = m * n // N, ((m // N, n) if ax == 0 else (m, n // N))  # ax: rank r's rows or columns
+    """NS of the matrices rank ``me`` owns, from the received buffer (rank r's blocks in segment
+    r), as the buffer to send back (rank r's blocks of the results in segment r), both in the
+    wire's dtype (NS itself in fp32). The same program on every rank: each shape group's slots
+    read this rank's offsets from a static table; a slot it does not fill (-1) reads zeros and
+    writes to a tail past the segments, which exists only where some group has such a slot."""
+    N, S, L = plan.n_ranks, plan.segment, plan.lanes
+    layout = plan.layout()
+    tail = max([rows for _, rows, per_rank in layout if min(min(x) for x in per_rank) < 0], default=0)
+    out = jnp.zeros((N * S + tail, L), recv_RxL.dtype)
+    for block, _, per_rank in layout:
         table = np.asarray([[plan.offset[i] if i >= 0 else -1 for i in row] for row in per_rank], np.int32)
         offsets = jnp.asarray(table)[me]  # [k]: this rank's offsets in the group
         valid = offsets >= 0
-        wholes = [jnp.concatenate([_block(row, o, size, block) for row in rows], ax) for o in offsets]
+        at = jnp.maximum(offsets, 0)
+        wholes = [jnp.concatenate([_block(recv_RxL, r * S + o, block) for r in range(N)]) for o in at]
         x = jnp.where(valid[:, None, None], jnp.stack(wholes).astype(jnp.float32), 0.0)
-        result = newton_schulz(x, coeffs, steps, eps).astype(wire)
-        for res, o, ok in zip(result, offsets, valid, strict=True):
-            at = jnp.where(ok, o, S)
-            parts = jnp.split(res, N, axis=ax)
-            outs = [
-                jax.lax.dynamic_update_slice_in_dim(out, p.reshape(-1), at, 0)
-                for out, p in zip(outs, parts, strict=True)
-            ]
-    return jnp.stack([out[:S].reshape(-1, ROW) for out in outs])
+        result = newton_schulz(x, coeffs, steps, eps).astype(recv_RxL.dtype)
+        for res, o, ok in zip(result, at, valid, strict=True):
+            for r, part in enumerate(jnp.split(res, N)):
+                out = jax.lax.dynamic_update_slice_in_dim(out, _slabs(part, L), jnp.where(ok, r * S + o, N * S), 0)
+    return out[: N * S]
 
 
 def distributed_newton_schulz(
@@ -207,21 +257,20 @@ def distributed_newton_schulz(
     ``plan.split[i]`` says. Returns the matching blocks of NS(matrix i). With N == 1 the blocks
     are the whole matrices and no collective runs.
     """
-    N, S = plan.n_ranks, plan.segment
+    N = plan.n_ranks
     f32 = jnp.float32
     wire = comm_dtype or f32
 
-    # All-to-all #1: row o of the send buffer holds my blocks of the matrices rank o owns. Blocks
-    # are cast to the wire's dtype first and back to fp32 last, so with a 16-bit wire every
-    # flattening and slicing moves 2 bytes an element (the same values as casting at the wire).
-    by_owner: dict[int, list[Array]] = {}
-    for i, blk in enumerate(blocks):
-        by_owner.setdefault(plan.owner[i], []).append(blk.astype(wire))
-    received = _exchange(_pack(by_owner, N, S, wire), axis_name, N)  # row r: rank r's blocks of the matrices I own
+    # All-to-all #1: segment o of the send buffer holds my blocks of the matrices rank o owns.
+    # Blocks are cast to the wire's dtype first and back to fp32 last, so with a 16-bit wire
+    # every slab and slice moves 2 bytes an element (the same values as casting at the wire).
+    sent = [b.astype(wire) if ax == 0 else b.astype(wire).T for b, ax in zip(blocks, plan.split, strict=True)]
+    received = _exchange(_pack(plan, sent), axis_name, N)  # segment r: rank r's blocks
 
     me = jax.lax.axis_index(axis_name) if N > 1 else 0
     results = _owned_results(received, plan, me, coeffs, steps, eps)
-    # All-to-all #2: row o now holds my blocks of the results of the matrices rank o owns.
+    # All-to-all #2: segment o now holds my blocks of the results of the matrices rank o owns.
     returned = _exchange(results, axis_name, N)
-    rows = _flat_rows(returned)
-    return [_block(rows[plan.owner[i]], plan.offset[i], b.size, b.shape).astype(f32) for i, b in enumerate(blocks)]
+    S = plan.segment
+    mine = [_block(returned, plan.owner[i] * S + plan.offset[i], b.shape) for i, b in enumerate(sent)]
+    return [(b if ax == 0 else b.T).astype(f32) for b, ax in zip(mine, plan.split, strict=True)]

@@ -145,9 +145,9 @@ def test_distributed_equals_single_device(comm_dtype):
 
 @pytest.mark.parametrize("comm_dtype", [None, jnp.bfloat16])
 def test_compiled_update_has_two_all_to_alls_and_no_all_gather(comm_dtype):
-    """Two all-to-alls; a bf16 payload crosses as pairs of its bits in uint32 words (as uint16,
-    the TPU compiler's host memory for a large exchange grew past 14 GB: docs/context.md), 2
-    bytes an element either way."""
+    """Two all-to-alls; compiled for this CPU host, a bf16 payload crosses as pairs of its bits in
+    uint32 words (XLA:CPU widens 16-bit float collectives; a program for a TPU sends bf16 itself:
+    tests/test_tpu.py), 2 bytes an element either way."""
     # Fan-in divisible by the mesh, as for every hidden matrix of the configs (replicated leaves
     # with padded rows are exact too, see above, but their result is re-replicated by a gather).
     r = np.random.default_rng(3)
@@ -170,25 +170,26 @@ def test_compiled_update_has_two_all_to_alls_and_no_all_gather(comm_dtype):
         assert elements <= payload <= 2 * elements  # this rank's blocks, and the buffer's padding
 
 
-def test_a_bf16_exchange_flattens_and_slices_in_bf16():
-    """With a 16-bit wire every flattened (rank-1) array of the exchange is 16-bit: the blocks are
-    cast before they are packed and the results after they are sliced out (a TPU relayouts each
-    flattening; in fp32 they cost the 340M train step twice the bytes). The values are those of
-    casting at the wire: NS of the bf16-rounded matrices."""
+def test_a_bf16_exchange_moves_whole_slabs_in_bf16():
+    """With a 16-bit wire every array the exchange pads, joins, slices or reshapes is 16-bit (the
+    blocks are cast before they are packed and the results after they are sliced out), and no
+    reshape regroups elements (a TPU relayouts each one: the buffer holds a block as its column
+    slabs, stacked). The values are those of casting at the wire: NS of the bf16-rounded matrices."""
     r = np.random.default_rng(4)
     shapes, split = [(16, 24), (24, 16), (32, 8)], [0, 1, 0]
     blocks = [jnp.asarray(r.standard_normal(s), jnp.float32) for s in shapes]
     plan = make_plan(shapes, 1, split)
+    assert plan.lanes == 8  # narrow blocks: a narrow row, so (16, 24) takes three slabs
     kw = dict(axis_name=None, coeffs=(3.4445, -4.7750, 2.0315), steps=5, eps=1e-7)
     fn = lambda bs: distributed_newton_schulz(bs, plan, comm_dtype=jnp.bfloat16, **kw)  # noqa: E731
-    moved = [
-        v.aval.dtype
-        for eqn in jax.make_jaxpr(fn)(blocks).jaxpr.eqns
-        if eqn.primitive.name in ("reshape", "concatenate", "pad", "dynamic_slice", "dynamic_update_slice", "slice")
-        for v in (*eqn.invars, *eqn.outvars)
-        if hasattr(v, "aval") and v.aval.ndim == 1 and jnp.issubdtype(v.aval.dtype, jnp.floating)
-    ]
+    moves = ("reshape", "concatenate", "pad", "dynamic_slice", "dynamic_update_slice", "slice", "squeeze")
+    eqns = [e for e in jax.make_jaxpr(fn)(blocks).jaxpr.eqns if e.primitive.name in moves]
+    floats = lambda vs: [v.aval for v in vs if hasattr(v, "aval") and jnp.issubdtype(v.aval.dtype, jnp.floating)]  # noqa: E731
+    moved = [a.dtype for e in eqns for a in floats((*e.invars, *e.outvars))]
     assert moved and set(moved) == {jnp.dtype(jnp.bfloat16)}
+    for e in eqns:
+        if e.primitive.name == "reshape" and floats(e.invars):
+            assert [d for d in e.invars[0].aval.shape if d != 1] == [d for d in e.outvars[0].aval.shape if d != 1]
     rounded = [b.astype(jnp.bfloat16).astype(jnp.float32) for b in blocks]
     want = distributed_newton_schulz(rounded, plan, comm_dtype=None, **kw)
     for got, exp in zip(fn(blocks), want, strict=True):
@@ -244,3 +245,20 @@ def test_plan_is_balanced_for_3b():
     slots = {shape: len(per_rank[0]) for shape, per_rank in plan.slots().items()}
     assert slots == {(3072, 3072, 0): 2, (3072, 1536, 0): 1, (3072, 8192, 0): 1, (8192, 3072, 0): 1}
     assert plan.executed_flops() / (sum(loads) / 64) <= 1.8  # 72 square matrices take 2 slots on all 64 ranks
+
+
+@pytest.mark.parametrize("n_ranks", [4, 16, 64])
+def test_the_3b_exchange_is_whole_256_wide_rows_with_no_padded_columns(n_ranks):
+    """The 3B's matrices as the model shards them (o_proj and down_proj by columns): every block,
+    a column block as rows of its transpose, is a whole number of 256-wide rows, so the buffer
+    is the blocks themselves plus the busiest owner's share over the mean (the segment)."""
+    shapes, split = [], []
+    for _ in range(24):
+        shapes += [(3072, 1536)] * 2 + [(3072, 3072)] * 2 + [(3072, 8192)] * 2 + [(3072, 3072), (8192, 3072)]
+        split += [0] * 6 + [1, 1]
+    plan = make_plan(shapes, n_ranks, split)
+    assert plan.lanes == 256
+    for block, rows, _ in plan.layout():
+        assert block[1] % 256 == 0 and rows == block[0] * block[1] // 256
+    held = [sum(m * n // n_ranks for i, (m, n) in enumerate(plan.shapes) if plan.owner[i] == o) for o in range(n_ranks)]
+    assert plan.segment * plan.lanes == max(held)
