@@ -94,9 +94,9 @@ class Plan:
         """Every segment's layout, group after group (``slots()``' order): a rank's block shape (a
         column block travels transposed, as rows of the transpose), its rows in the buffer
         (``_rows``), and per rank the matrices of its slots."""
-        N, out = self.n_ranks, []
+        out = []
         for (m, n, ax), per_rank in self.slots().items():
-            block = (m // N, n) if ax == 0 else (n // N, m)
+            block = _block_shape((m, n), ax, self.n_ranks)
             out.append((block, _rows(block, self.lanes), per_rank))
         return out
 
@@ -145,8 +145,7 @@ def make_plan(shapes: Sequence[tuple[int, int]], n_ranks: int, split: Sequence[i
         owner[i] = r
         load[r] += flops[i]
         held[g][r] += 1
-    blocks = [(m // n_ranks, n) if ax == 0 else (n // n_ranks, m) for (m, n), ax in zip(padded, split, strict=True)]
-    lanes = lane_width(blocks)
+    lanes = lane_width([_block_shape(p, ax, n_ranks) for p, ax in zip(padded, split, strict=True)])
     plan = Plan(n_ranks, padded, split, tuple(owner), (), 0, lanes, flops)
     offset, used = [0] * len(shapes), [0] * n_ranks
     for _, rows, per_rank in plan.layout():  # an owner's segment: its matrices group after group
@@ -163,6 +162,12 @@ def lane_width(blocks: Sequence[tuple[int, int]]) -> int:
     elements = sum(a * b for a, b in blocks) or 1
     fits = [w for w in LANES if sum(_rows(blk, w) * w for blk in blocks) <= PADDING * elements]
     return fits[0] if fits else LANES[-1]
+
+
+def _block_shape(shape: tuple[int, int], ax: int, n_ranks: int) -> tuple[int, int]:
+    """One rank's block of a matrix as it travels: its rows, or (``ax`` 1) rows of its transpose."""
+    m, n = shape
+    return (m // n_ranks, n) if ax == 0 else (n // n_ranks, m)
 
 
 def _align(rows: int, lanes: int) -> int:
