@@ -1114,6 +1114,17 @@ def _sampler(*reports: dict) -> list[str]:
     return _grid(["sampler", "keys", "bytes accessed", "share of bytes", "share of FLOPs"], rows)
 
 
+def _sampler_ab(r: dict) -> list[str]:
+    rows = []
+    for key, now in r["now_s"].items():
+        kind, width = key.rsplit(" W=", 1)
+        before = r["before_s"][key]
+        rows.append([kind, width, f"{1e3 * before:,.2f}", f"{1e3 * now:,.2f}", f"{r['speedup'][key]:.2f}x"])
+    lines = _grid(["requests (every row)", "W", f"before ({r['baseline']}), ms", "now, ms", "speedup"], rows)
+    note = f"`sample_rows` alone on {r['device']}, {r['vocab']:,} logits per row; medians of {r['calls']} calls"
+    return [*lines, "", f"{note}, {r['rounds']} alternating rounds, the speedup the median of the rounds' ratios."]
+
+
 def _roofline(one: dict, eight: dict) -> list[str]:
     def cells(buckets: dict) -> list[str]:
         return [
@@ -1344,6 +1355,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "decode_memory": (DECODE_FILES, _decode_memory),
     "serve_unrolled_ab": (("serve_cpu_unrolled_decode_ab.json",), _serve_ab),
     "sampler": (("sampler_3b.json", "sampler_3b_before.json"), _sampler),
+    "sampler_cpu_ab": (("sampler_cpu_ab.json",), _sampler_ab),
     "roofline": (("serve_cpu_roofline.json", "serve_cpu_8dev.json"), _roofline),
     "http_8dev": (("serve_cpu_8dev.json",), _http_8dev),
     "soak": (

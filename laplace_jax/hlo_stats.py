@@ -14,6 +14,7 @@ import functools
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from laplace_jax.ops.gla.limits import (
@@ -237,12 +238,15 @@ class Module:
         c = _CONSTANT.match(ins.rest) if ins is not None and ins.opcode == "constant" else None
         return int(c.group(1)) if c else None
 
-    def multiplicities(self, control_only: bool = False) -> dict[str, float]:
+    def multiplicities(
+        self, control_only: bool = False, branch: Callable[[Instr], str] | None = None
+    ) -> dict[str, float]:
         """How many times one run of the module executes each computation: a while body its trip
         count (an unreadable one counts 1: see ``loops``), its condition once more; a called
         computation as often as its caller. ``control_only``: only computations that run as
         code of their own (while, conditional, call, async), not fusion or reducer bodies, whose
-        cost their caller's instruction already carries."""
+        cost their caller's instruction already carries. ``branch``: the one branch computation a
+        conditional runs (one run takes one branch); without it every branch counts."""
         mult: dict[str, float] = defaultdict(float)
 
         def visit(name: str, factor: float, depth: int = 0) -> None:
@@ -251,8 +255,11 @@ class Module:
             mult[name] += factor
             for ins in self.computations[name]:
                 trips = (self.trip_count(name, ins) or 1) if ins.opcode == "while" else 1
+                taken = branch(ins) if branch is not None and ins.opcode == "conditional" else None
                 for attr, callee in ins.callees():
                     if control_only and not _runs_as_code(ins, attr):
+                        continue
+                    if taken is not None and _runs_as_code(ins, attr) and callee != taken:
                         continue
                     visit(callee, factor * {"body": trips, "condition": trips + 1}.get(attr, 1), depth + 1)
 
@@ -314,6 +321,32 @@ def _runs_as_code(ins: Instr, attr: str) -> bool:
     if ins.opcode == "conditional":
         return attr in ("branch_computations", "true_computation", "false_computation")
     return ins.opcode in ("call", "async-start") and attr in ("to_apply", "calls")
+
+
+def costliest_branches(module: Module, cost: Callable[[str, Any], float]) -> dict[str, str]:
+    """{conditional instruction's name: its costliest branch computation}, each branch's cost its
+    own instructions' (``cost(comp, ins)``) plus what it runs as code (loops by their trips, nested
+    conditionals by their own costliest branch)."""
+    chosen: dict[str, str] = {}
+
+    @functools.cache
+    def total(comp: str) -> float:
+        c = 0.0
+        for ins in module.computations.get(comp, []):
+            c += cost(comp, ins)
+            trips = (module.trip_count(comp, ins) or 1) if ins.opcode == "while" else 1
+            called = [(a, callee) for a, callee in ins.callees() if _runs_as_code(ins, a)]
+            if ins.opcode == "conditional" and called:
+                best = max((callee for _, callee in called), key=total)
+                chosen[ins.name] = best
+                c += total(best)
+                continue
+            c += sum({"body": trips, "condition": trips + 1}.get(a, 1) * total(callee) for a, callee in called)
+        return c
+
+    if module.entry:
+        total(module.entry)
+    return chosen
 
 
 def loops(module: Module) -> list[dict[str, object]]:

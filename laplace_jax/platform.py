@@ -76,6 +76,14 @@ def per_platform(*args, default: Callable, **branches: Callable):
     return jax.lax.platform_dependent(*args, default=default, **branches)
 
 
+def skip_unless(pred: jax.Array, fn: Callable, otherwise: Callable, *args):
+    """``fn(*args)`` where the scalar ``pred`` holds, else ``otherwise(*args)`` (same shapes): a
+    ``lax.cond`` that skips work no row of a batch needs. In a program for Neuron, whose compiler
+    takes no ``lax.cond``, ``fn`` always runs, so ``fn`` must give what ``otherwise`` gives wherever
+    ``pred`` is false (or what is returned there must go unread)."""
+    return per_platform(*args, default=lambda *a: jax.lax.cond(pred, fn, otherwise, *a), neuron=fn)
+
+
 # PJRT plugins by the module names their packages install (jax[tpu]'s libtpu, jax[cuda*]'s plugin
 # and its jax_plugins.xla_cuda* module, ROCm's likewise, jax-neuronx's libneuronxla).
 _PLUGIN_MODULES = {

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from laplace_jax.platform import skip_unless
+
 Array = jax.Array
 
 
@@ -121,8 +123,12 @@ def sample_rows(
     """
     logits = logits_WxV.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1)
-    masked = limit_logits(logits, temperature_W, top_k_W, top_p_W, min_p_W)
-    drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys_W, masked)
+
+    def draw(logits):
+        masked = limit_logits(logits, temperature_W, top_k_W, top_p_W, min_p_W)
+        return jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys_W, masked).astype(greedy.dtype)
+
+    drawn = skip_unless(jnp.any(temperature_W > 0), draw, lambda _: greedy, logits)  # all greedy: no draw
     return jnp.where(temperature_W <= 0, greedy, drawn).astype(jnp.int32)
 
 
@@ -130,20 +136,30 @@ def limit_logits(
     logits_WxV: Array, temperature_W: Array, top_k_W: Array, top_p_W: Array, min_p_W: Array | None = None
 ) -> Array:
     """The logits ``sample_rows`` draws from (sampled rows): divided by the temperature, -inf
-    outside the top-k / top-p / min-p limits; their softmax is the distribution of its draw."""
+    outside the top-k / top-p / min-p limits; their softmax is the distribution of its draw. Each
+    limit's work runs only when some row sets it: the candidates' top-k (a sort of every row on
+    some backends) for top-k and top-p, a maximum per row for min-p."""
     logits = logits_WxV.astype(jnp.float32)
     scaled = logits / jnp.maximum(temperature_W, 1e-6)[:, None]
-    top, _ = jax.lax.top_k(scaled, min(CANDIDATES, logits.shape[-1]))  # [W, K] descending
+    none = lambda scaled: jnp.full((scaled.shape[0], 1), -jnp.inf, scaled.dtype)  # noqa: E731
+    limited = (top_k_W > 0) | (top_p_W < 1.0)
+    threshold = skip_unless(jnp.any(limited), lambda x: _top_cutoff(x, top_k_W, top_p_W), none, scaled)
+    if min_p_W is not None:  # p_i >= min_p * p_max  <=>  scaled_i >= scaled_max + log(min_p)
+        floor = lambda x: jnp.max(x, axis=-1, keepdims=True) + jnp.log(min_p_W)[:, None]  # noqa: E731
+        threshold = jnp.maximum(threshold, skip_unless(jnp.any(min_p_W > 0), floor, none, scaled))
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def _top_cutoff(scaled_WxV: Array, top_k_W: Array, top_p_W: Array) -> Array:
+    """[W, 1]: each row's smallest logit inside its top-k and top-p (-inf for a row with neither)."""
+    top, _ = jax.lax.top_k(scaled_WxV, min(CANDIDATES, scaled_WxV.shape[-1]))  # [W, K] descending
     k = jnp.where(top_k_W > 0, jnp.minimum(top_k_W, top.shape[-1]), top.shape[-1])
     kth = jnp.take_along_axis(top, (k - 1)[:, None], axis=-1)  # k-th largest
-    probs = jnp.exp(top - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
+    probs = jnp.exp(top - jax.nn.logsumexp(scaled_WxV, axis=-1, keepdims=True))
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
     cutoff = jnp.min(jnp.where(before < top_p_W[:, None], top, jnp.inf), axis=-1, keepdims=True)  # smallest kept
     limited = (top_k_W > 0) | (top_p_W < 1.0)
-    threshold = jnp.where(limited[:, None], jnp.maximum(kth, cutoff), -jnp.inf)
-    if min_p_W is not None:  # p_i >= min_p * p_max  <=>  scaled_i >= scaled_max + log(min_p)
-        threshold = jnp.maximum(threshold, top[:, :1] + jnp.log(min_p_W)[:, None])
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    return jnp.where(limited[:, None], jnp.maximum(kth, cutoff), -jnp.inf)
 
 
 def speculative_accept(

@@ -37,7 +37,15 @@ from collections import defaultdict
 from typing import Any
 
 from laplace_jax.errors import UserError
-from laplace_jax.hlo_stats import Module, arrays, gla_kernels, loops, memory_report, shape_bytes
+from laplace_jax.hlo_stats import (
+    Module,
+    arrays,
+    costliest_branches,
+    gla_kernels,
+    loops,
+    memory_report,
+    shape_bytes,
+)
 from laplace_jax.ops.gla.limits import (
     MOSAIC_CONV_KERNEL,
     MOSAIC_DECODE_KERNELS,
@@ -318,6 +326,23 @@ def dma_floor(chip: Chip, bytes_: float) -> float:
     return bytes_ / (chip.hbm_gbps * 1e9 * chip.stream_share)
 
 
+def _instr_cost(module: Module, comp: str, ins: Any, chip: Chip) -> tuple[float | None, dict | None, str | None]:
+    """One instruction's cycles (None: no estimate), its Mosaic call record, and why a Mosaic call
+    could not be profiled: ``estimate``'s per-instruction rule."""
+    hz = chip.clock_ghz * 1e9
+    c = ins.cycles
+    call = mosaic_call(module, comp, ins) if c is None else None
+    if call is not None:
+        try:
+            schedule, floor = mosaic_cycles(chip, call) / hz, dma_floor(chip, call["bytes"])
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # listed as not estimated, with why
+            return None, None, f"Mosaic kernel {call['kernel']} (not profiled: {e})"
+        return max(schedule, floor) * hz, {**call, "schedule_s": schedule, "dma_floor_s": floor}, None
+    if c is None and ins.opcode == "reshape":  # a relayout (a bitcast would say so): read and write it
+        c = dma_floor(chip, 2 * shape_bytes(ins.type)) * hz
+    return (float(c) if c is not None else None), None, None
+
+
 def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     """The compiler's estimated time of one run of a compiled TPU module (``compiled.as_text()``).
 
@@ -328,32 +353,27 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     out. Scalar bookkeeping (loop counters, tuples) is not listed. ``mosaic`` lists this project's
     Mosaic kernel calls, each counted at max(static schedule, DMA floor) (``MOSAIC_LABEL``). A
     reshape that the compiler kept as one (a relayout: a free one is a bitcast) carries no
-    estimate either; it is counted at the DMA floor of reading and writing its result."""
+    estimate either; it is counted at the DMA floor of reading and writing its result. A
+    conditional counts its costliest branch (one run takes one branch; which one the data
+    decides, so the estimate is the dearest), with everything else inside that branch."""
     module = Module(hlo)
-    mult = module.multiplicities(control_only=True)
+    costs = {(comp, ins.name): _instr_cost(module, comp, ins, chip) for comp, instrs in module.computations.items()
+             for ins in instrs}  # fmt: skip
+    chosen = costliest_branches(module, lambda comp, ins: costs[comp, ins.name][0] or 0.0)
+    mult = module.multiplicities(control_only=True, branch=lambda ins: chosen.get(ins.name, ""))
     frames = module.frames()
     cycles = 0.0
     by_source: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     unestimated: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0})
     mosaic: list[dict[str, Any]] = []
-    hz = chip.clock_ghz * 1e9
     for comp, instrs in module.computations.items():
         factor = mult.get(comp, 0.0)
         if not factor:
             continue
         for ins in instrs:
-            c, failed = ins.cycles, None
-            call = mosaic_call(module, comp, ins) if c is None else None
+            c, call, failed = costs[comp, ins.name]
             if call is not None:
-                try:
-                    schedule, floor = mosaic_cycles(chip, call) / hz, dma_floor(chip, call["bytes"])
-                except (RuntimeError, subprocess.TimeoutExpired) as e:  # listed below as not estimated, with why
-                    failed = f"Mosaic kernel {call['kernel']} (not profiled: {e})"
-                else:
-                    mosaic.append({**call, "calls": factor, "schedule_s": schedule, "dma_floor_s": floor})
-                    c = max(schedule, floor) * hz
-            if c is None and ins.opcode == "reshape":  # a relayout (a bitcast would say so): read and write it
-                c = dma_floor(chip, 2 * shape_bytes(ins.type)) * hz
+                mosaic.append({**call, "calls": factor})
             if c is None:
                 kind = failed or _unestimated_kind(ins)
                 if kind is not None:

@@ -120,6 +120,88 @@ def test_a_relayout_reshape_counts_at_its_dma_floor():
     assert estimate(text.replace(" reshape(%x)", " bitcast(%x)"), chip)["seconds"] == 0
 
 
+# lax.cond inside a 10-step loop, as the TPU compiler prints it (abridged): the true branch does
+# 700 cycles of work and holds a nested conditional (50 or 20), the false branch 100.
+TPU_COND = """HloModule jit_h, is_scheduled=true
+
+%fused_a (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  ROOT %m = f32[1024]{0} multiply(%p, %p), metadata={op_name="jit(h)/while/body/cond/branch_1_fun/mul"}
+}
+
+%fused_b (p: f32[1024]) -> f32[1024] {
+  %p = f32[1024]{0} parameter(0)
+  ROOT %m = f32[1024]{0} add(%p, %p), metadata={op_name="jit(h)/while/body/cond/branch_0_fun/add"}
+}
+
+%inner_hi (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %f = f32[1024]{0} fusion(%x), kind=kLoop, calls=%fused_a, backend_config={"estimated_cycles":"50"}
+}
+
+%inner_lo (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %f = f32[1024]{0} fusion(%x), kind=kLoop, calls=%fused_b, backend_config={"estimated_cycles":"20"}
+}
+
+%dear (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  %f = f32[1024]{0} fusion(%x), kind=kLoop, calls=%fused_a, backend_config={"estimated_cycles":"700"}
+  %q = pred[]{:T(512)} constant(true)
+  ROOT %c = f32[1024]{0} conditional(%q, %f, %f), true_computation=%inner_lo, false_computation=%inner_hi
+}
+
+%cheap (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %f = f32[1024]{0} fusion(%x), kind=kLoop, calls=%fused_b, backend_config={"estimated_cycles":"100"}
+}
+
+%body (t: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %one = s32[]{:T(128)} constant(1)
+  %t = (s32[]{:T(128)}, f32[1024]{0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%t), index=0
+  %next = s32[]{:T(128)} add(%i, %one)
+  %x = f32[1024]{0} get-tuple-element(%t), index=1
+  %b = s32[]{:T(128)} and(%i, %one)
+  %y = f32[1024]{0} conditional(%b, %x, %x), branch_computations={%cheap, %dear}
+  ROOT %r = (s32[]{:T(128)}, f32[1024]{0}) tuple(%next, %y)
+}
+
+%cond (t: (s32[], f32[1024])) -> pred[] {
+  %lim = s32[]{:T(128)} constant(10)
+  %t = (s32[]{:T(128)}, f32[1024]{0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%t), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %lim), direction=LT
+}
+
+ENTRY %main (x: f32[1024]) -> f32[1024] {
+  %zero = s32[]{:T(128)} constant(0)
+  %x = f32[1024]{0} parameter(0)
+  %start = s32[]{:T(128)} copy(%zero)
+  %init = (s32[]{:T(128)}, f32[1024]{0}) tuple(%start, %x)
+  %w = (s32[]{:T(128)}, f32[1024]{0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[1024]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_a_conditional_counts_its_costliest_branch():
+    """One run takes one branch: the estimate counts the dearer one (700 plus its nested
+    conditional's dearer 50) per loop step, not the sum of both branches (which the
+    estimate did before: 870 per step), and names only that branch's ops."""
+    from laplace_jax.hlo_stats import Module
+    from laplace_jax.tpu import CHIPS, estimate
+
+    module = Module(TPU_COND)
+    assert module.multiplicities(control_only=True)["cheap"] == 10  # structurally, every branch is reachable
+    est = estimate(TPU_COND, CHIPS["v5e"])
+    assert est["cycles"] == 10 * (700 + 50)
+    assert {r["source"] for r in est["by_source"]} == {"(no source)"}
+    assert set(est["by_source"][0]["primitives"]) == {"mul"}  # the cheap branch's add is not counted
+    mult = module.multiplicities(control_only=True, branch=lambda ins: {"y": "dear", "c": "inner_hi"}.get(ins.name, ""))
+    assert mult["dear"] == 10 and mult["inner_hi"] == 10 and "cheap" not in mult and "inner_lo" not in mult
+
+
 def test_stack_frames_chain_to_their_callers():
     """An op's frame is its innermost; each frame's parent_frame_id is the caller's table id + 1."""
     from laplace_jax.hlo_stats import Module

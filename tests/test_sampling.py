@@ -134,6 +134,54 @@ def test_large_vocab_limits_act_on_the_candidates_and_unlimited_rows_see_every_t
         SamplingParams(top_k=CANDIDATES + 1).check(vocab_size=V)
 
 
+def test_a_row_draws_alike_whatever_limits_the_other_rows_of_its_batch_set():
+    """Each limit's work runs only when some row of the batch sets it (``limit_logits``): a row's
+    limited logits and its draw are the same bit for bit alone, beside a top-k row and beside a
+    min-p row; and a batch without limits keeps every logit (only the temperature applies)."""
+    from laplace_jax.sampling import limit_logits
+
+    V = 3000
+    logits = jnp.asarray(np.random.default_rng(2).standard_normal((3, V)).astype(np.float32) * 2)
+    kinds = {"plain": (1.3, 0, 1.0, 0.0), "top-k": (0.7, 40, 1.0, 0.0), "min-p": (1.0, 0, 1.0, 0.1)}
+    keys = jax.random.split(jax.random.key(3), 3)
+
+    def batch(names):
+        cols = list(zip(*(kinds[n] for n in names), strict=True))
+        t, k, p, m = (
+            jnp.asarray(c, dt) for c, dt in zip(cols, (jnp.float32, jnp.int32, jnp.float32, jnp.float32), strict=True)
+        )
+        own = jnp.asarray([list(kinds).index(n) for n in names])  # each kind keeps its logits and key
+        rows = logits[own]
+        return np.asarray(limit_logits(rows, t, k, p, m)), np.asarray(sample_rows(rows, t, k, p, keys[own], m))
+
+    alone, alone_tok = batch(["plain"])
+    np.testing.assert_array_equal(alone[0], np.asarray(logits[0] / jnp.float32(1.3)))  # no limit: every logit
+    for others in (["plain", "top-k"], ["plain", "min-p"], ["plain", "top-k", "min-p"]):
+        limited, toks = batch(others)
+        np.testing.assert_array_equal(limited[0], alone[0])
+        assert toks[0] == alone_tok[0]
+        assert np.isinf(limited[1]).sum() > 0  # the other row's limit did act
+    solo_k, _ = batch(["top-k"])
+    np.testing.assert_array_equal(batch(["plain", "top-k"])[0][1], solo_k[0])
+
+
+def test_the_candidates_top_k_runs_only_inside_a_branch_a_limit_takes():
+    """In the compiled program (XLA:CPU) the top-k over the vocabulary is reached only through a
+    conditional's branch, so a batch whose rows set no top-k or top-p never runs it."""
+    from laplace_jax.hlo_stats import Module
+    from laplace_jax.sampling import limit_logits
+
+    W, V = 4, 2048
+    args = (jnp.zeros((W, V)), jnp.ones(W), jnp.zeros(W, jnp.int32), jnp.ones(W), jnp.zeros(W))
+    module = Module(jax.jit(limit_logits).lower(*args).compile().as_text())
+
+    def top_k_ops(comps):
+        return [i for c in comps for i in module.computations[c] if i.opcode == "sort" or "TopK" in i.rest]
+
+    assert top_k_ops(module.computations)  # the program has one
+    assert top_k_ops(module.multiplicities(branch=lambda ins: "")) == []  # but not outside every branch
+
+
 def _chi_square(tokens: np.ndarray, want: np.ndarray) -> float:
     """Pearson's statistic of ``tokens`` against the probabilities ``want`` (cells with mass)."""
     seen = np.bincount(tokens, minlength=len(want))

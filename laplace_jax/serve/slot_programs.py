@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 from laplace_jax.config import ModelConfig
 from laplace_jax.layers.common import VERIFY_INPUTS
 from laplace_jax.models.gla_lm import commit, decode_step, prefill, verify
-from laplace_jax.platform import key_words, per_platform
+from laplace_jax.platform import key_words, skip_unless
 from laplace_jax.sampling import (
     count_tokens,
     grammar_limit,
@@ -476,13 +476,9 @@ def _verify_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid, draft, l
 
 def _logprobs(logits: jax.Array, toks: jax.Array, wanted_W: jax.Array) -> tuple[jax.Array, ...]:
     """``token_logprobs`` when some valid row reads them, else zeros (never read: the host reads a
-    call's logprobs only for requests that want them), so the vocabulary's top-k is skipped. On
-    Neuron, which takes no ``lax.cond``, always computed."""
+    call's logprobs only for requests that want them), so the vocabulary's top-k is skipped."""
     none = lambda logits, toks: jax.tree.map(_zeros, jax.eval_shape(token_logprobs, logits, toks))  # noqa: E731
-    skip = lambda logits, toks, w: jax.lax.cond(jnp.any(w), token_logprobs, none, logits, toks)  # noqa: E731
-    return per_platform(
-        logits, toks, wanted_W, default=skip, neuron=lambda logits, toks, _: token_logprobs(logits, toks)
-    )
+    return skip_unless(jnp.any(wanted_W), token_logprobs, none, logits, toks)
 
 
 def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
