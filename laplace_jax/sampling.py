@@ -123,9 +123,10 @@ def sample_rows(
     """
     logits = logits_WxV.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)  # beside the argmax: one pass over the logits
 
     def draw(logits):
-        masked = limit_logits(logits, temperature_W, top_k_W, top_p_W, min_p_W)
+        masked = limit_logits(logits, temperature_W, top_k_W, top_p_W, min_p_W, row_max_W=row_max)
         return jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys_W, masked).astype(greedy.dtype)
 
     drawn = skip_unless(jnp.any(temperature_W > 0), draw, lambda _: greedy, logits)  # all greedy: no draw
@@ -133,20 +134,29 @@ def sample_rows(
 
 
 def limit_logits(
-    logits_WxV: Array, temperature_W: Array, top_k_W: Array, top_p_W: Array, min_p_W: Array | None = None
+    logits_WxV: Array,
+    temperature_W: Array,
+    top_k_W: Array,
+    top_p_W: Array,
+    min_p_W: Array | None = None,
+    row_max_W: Array | None = None,
 ) -> Array:
     """The logits ``sample_rows`` draws from (sampled rows): divided by the temperature, -inf
     outside the top-k / top-p / min-p limits; their softmax is the distribution of its draw. Each
     limit's work runs only when some row sets it: the candidates' top-k (a sort of every row on
-    some backends) for top-k and top-p, a maximum per row for min-p."""
+    some backends) for top-k and top-p, in a branch that takes the raw logits and divides them
+    itself (so the division fuses into what reads it there); min-p needs each row's maximum
+    (``row_max_W``: [W, 1], the raw logits' own, where the caller already has it)."""
     logits = logits_WxV.astype(jnp.float32)
-    scaled = logits / jnp.maximum(temperature_W, 1e-6)[:, None]
-    none = lambda scaled: jnp.full((scaled.shape[0], 1), -jnp.inf, scaled.dtype)  # noqa: E731
+    t = jnp.maximum(temperature_W, 1e-6)[:, None]
+    scaled = logits / t
+    none = lambda logits: jnp.full((logits.shape[0], 1), -jnp.inf, logits.dtype)  # noqa: E731
     limited = (top_k_W > 0) | (top_p_W < 1.0)
-    threshold = skip_unless(jnp.any(limited), lambda x: _top_cutoff(x, top_k_W, top_p_W), none, scaled)
+    threshold = skip_unless(jnp.any(limited), lambda x: _top_cutoff(x / t, top_k_W, top_p_W), none, logits)
     if min_p_W is not None:  # p_i >= min_p * p_max  <=>  scaled_i >= scaled_max + log(min_p)
-        floor = lambda x: jnp.max(x, axis=-1, keepdims=True) + jnp.log(min_p_W)[:, None]  # noqa: E731
-        threshold = jnp.maximum(threshold, skip_unless(jnp.any(min_p_W > 0), floor, none, scaled))
+        row_max = jnp.max(logits, axis=-1, keepdims=True) if row_max_W is None else row_max_W
+        top = row_max / t  # = max(scaled): x / t rounds monotonically in x
+        threshold = jnp.maximum(threshold, top + jnp.log(min_p_W)[:, None])
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 

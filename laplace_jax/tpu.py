@@ -357,8 +357,10 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     conditional counts its costliest branch (one run takes one branch; which one the data
     decides, so the estimate is the dearest), with everything else inside that branch."""
     module = Module(hlo)
-    costs = {(comp, ins.name): _instr_cost(module, comp, ins, chip) for comp, instrs in module.computations.items()
-             for ins in instrs}  # fmt: skip
+    costs = {}
+    for comp, instrs in module.computations.items():
+        for ins in instrs:
+            costs[comp, ins.name] = _instr_cost(module, comp, ins, chip)
     chosen = costliest_branches(module, lambda comp, ins: costs[comp, ins.name][0] or 0.0)
     mult = module.multiplicities(control_only=True, branch=lambda ins: chosen.get(ins.name, ""))
     frames = module.frames()
