@@ -152,7 +152,7 @@ def limit_logits(
     scaled = logits / t
     none = lambda logits: jnp.full((logits.shape[0], 1), -jnp.inf, logits.dtype)  # noqa: E731
     limited = (top_k_W > 0) | (top_p_W < 1.0)
-    threshold = skip_unless(jnp.any(limited), lambda x: _top_cutoff(x / t, top_k_W, top_p_W), none, logits)
+    threshold = skip_unless(jnp.any(limited), lambda x: _top_cutoff(x / t, top_k_W, top_p_W, limited), none, logits)
     if min_p_W is not None:  # p_i >= min_p * p_max  <=>  scaled_i >= scaled_max + log(min_p)
         row_max = jnp.max(logits, axis=-1, keepdims=True) if row_max_W is None else row_max_W
         top = row_max / t  # = max(scaled): x / t rounds monotonically in x
@@ -160,16 +160,16 @@ def limit_logits(
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def _top_cutoff(scaled_WxV: Array, top_k_W: Array, top_p_W: Array) -> Array:
-    """[W, 1]: each row's smallest logit inside its top-k and top-p (-inf for a row with neither)."""
+def _top_cutoff(scaled_WxV: Array, top_k_W: Array, top_p_W: Array, limited_W: Array) -> Array:
+    """[W, 1]: each row's smallest logit inside its top-k and top-p (-inf for a row with neither:
+    ``limited`` false)."""
     top, _ = jax.lax.top_k(scaled_WxV, min(CANDIDATES, scaled_WxV.shape[-1]))  # [W, K] descending
     k = jnp.where(top_k_W > 0, jnp.minimum(top_k_W, top.shape[-1]), top.shape[-1])
     kth = jnp.take_along_axis(top, (k - 1)[:, None], axis=-1)  # k-th largest
     probs = jnp.exp(top - jax.nn.logsumexp(scaled_WxV, axis=-1, keepdims=True))
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
     cutoff = jnp.min(jnp.where(before < top_p_W[:, None], top, jnp.inf), axis=-1, keepdims=True)  # smallest kept
-    limited = (top_k_W > 0) | (top_p_W < 1.0)
-    return jnp.where(limited[:, None], jnp.maximum(kth, cutoff), -jnp.inf)
+    return jnp.where(limited_W[:, None], jnp.maximum(kth, cutoff), -jnp.inf)
 
 
 def speculative_accept(

@@ -357,9 +357,9 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     conditional counts its costliest branch (one run takes one branch; which one the data
     decides, so the estimate is the dearest), with everything else inside that branch."""
     module = Module(hlo)
-    costs = {}
-    for comp, instrs in module.computations.items():
-        for ins in instrs:
+    costs = {}  # every computation that runs as code, whichever branch reaches it
+    for comp in module.multiplicities(control_only=True):
+        for ins in module.computations.get(comp, []):
             costs[comp, ins.name] = _instr_cost(module, comp, ins, chip)
     chosen = costliest_branches(module, lambda comp, ins: costs[comp, ins.name][0] or 0.0)
     mult = module.multiplicities(control_only=True, branch=lambda ins: chosen.get(ins.name, ""))
