@@ -11,7 +11,7 @@ Every rank runs the same program, with no branch on the rank (Neuron has no ``la
 same number of slots, k_g = the most matrices of that group any rank owns. A rank's slots
 pick its own matrices from the received buffer through a static offset table indexed by the
 axis index; slots it does not need (where a group's count is not a multiple of N) read zeros
-and write past the segments. The owners are assigned with at most ceil(count_g / N) matrices
+and write past each segment. The owners are assigned with at most ceil(count_g / N) matrices
 of a group per rank, which makes k_g as small as it can be. N = 1 is the same code without
 collectives.
 """
@@ -77,8 +77,9 @@ class Plan:
     ``lanes`` L wide, a ``segment`` of S rows per rank, each owner's matrices group after group
     (``layout``). A rank's block of matrix i lies in the owner's segment from row offset[i], as
     its columns cut into L-wide slabs (the last one zero-padded) stacked one under the other
-    (``_slabs``): slicing and joining whole lane tiles, never a reshape, which on a TPU is a
-    relayout of every element.
+    (``_slabs``): slicing and joining whole lane tiles, never a reshape that regroups elements,
+    which on a TPU is a relayout of every element (splitting the leading axis into N segments of
+    aligned rows is not one).
     """
 
     n_ranks: int
