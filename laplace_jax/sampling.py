@@ -3,28 +3,36 @@ the penalties that act on the logits before it, and the logprobs reported to cli
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laplace_jax.platform import skip_unless
+from laplace_jax.platform import per_platform, skip_unless
 
 Array = jax.Array
 
 
 CANDIDATES = 1024  # top-k and top-p act on this many most likely tokens per row (at most the vocabulary)
 TOP_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's limit)
+TOP_K_PIECE = 512  # the largest top-k the TPU compiler runs as its TopK call: above it, it sorts every row
+DRAW_BLOCK = 128  # a draw picks a block of this many tokens by the block's mass, then a token in it
 
 
 def token_logprobs(logits_WxV: Array, token_W: Array) -> tuple[Array, Array, Array]:
     """The model's own log-probabilities (log-softmax of the raw logits, before penalties and
     temperature, as vLLM reports by default): (logprob of ``token`` [W], the TOP_LOGPROBS most
     likely ids [W, k] and their logprobs [W, k], k = min(TOP_LOGPROBS, V)). Leading axes may be
-    any shape; the vocabulary is the last."""
-    lsm = jax.nn.log_softmax(logits_WxV.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(lsm, token_W[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    top_lp, top_ids = jax.lax.top_k(lsm, min(TOP_LOGPROBS, lsm.shape[-1]))
-    return chosen, top_ids.astype(jnp.int32), top_lp
+    any shape; the vocabulary is the last. ``jax.nn.log_softmax``'s arithmetic, applied to the
+    values read only (the top-k takes the raw logits: the [W, V] log-softmax is never written)."""
+    logits = logits_WxV.astype(jnp.float32)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    log_sum = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
+    logprob = lambda x: (x - row_max) - log_sum  # noqa: E731
+    chosen = jnp.take_along_axis(logits, token_W[..., None].astype(jnp.int32), axis=-1)
+    top, top_ids = jax.lax.top_k(logits, min(TOP_LOGPROBS, logits.shape[-1]))
+    return logprob(chosen)[..., 0], top_ids.astype(jnp.int32), logprob(top)
 
 
 def penalize(logits_WxV: Array, rows: dict[str, Array]) -> Array:
@@ -115,21 +123,23 @@ def sample_rows(
     typed PRNG keys [W].
 
     No sort of the vocabulary (Neuron supports only plain comparators, and a sort of every row
-    cost 9% of a 3B decode step's bytes): ``lax.top_k`` takes the ``CANDIDATES`` most likely
-    tokens, whose k-th value and whose top-p cutoff (mass from the full softmax) give a logit
-    threshold, and the draw is over every token at or above it. Rows with neither limit draw
-    from the whole vocabulary. Exact whenever top_k <= CANDIDATES (the server checks) and the
-    candidates hold at least top_p of the mass; a nucleus wider than that is cut at CANDIDATES.
+    cost 9% of a 3B decode step's bytes): ``top_values`` takes the ``CANDIDATES`` largest logits,
+    whose k-th value and whose top-p cutoff (mass from the full softmax) give a logit threshold,
+    and the draw (``draw``: a block by its mass, then a token in it) is over every token at or
+    above it. Rows with neither limit draw from the whole vocabulary. Exact whenever top_k <=
+    CANDIDATES (the server checks) and the candidates hold at least top_p of the mass; a nucleus
+    wider than that is cut at CANDIDATES.
     """
     logits = logits_WxV.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1)
     row_max = jnp.max(logits, axis=-1, keepdims=True)  # beside the argmax: one pass over the logits
 
-    def draw(logits):
-        masked = limit_logits(logits, temperature_W, top_k_W, top_p_W, min_p_W, row_max_W=row_max)
-        return jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys_W, masked).astype(greedy.dtype)
+    def sampled(logits):
+        t, threshold = _limits(logits, temperature_W, top_k_W, top_p_W, min_p_W, row_max)
+        limit = lambda x: _limited(x, t, threshold)  # noqa: E731
+        return draw(keys_W, logits, row_max / t, limit).astype(greedy.dtype)  # row_max / t: the limited max
 
-    drawn = skip_unless(jnp.any(temperature_W > 0), draw, lambda _: greedy, logits)  # all greedy: no draw
+    drawn = skip_unless(jnp.any(temperature_W > 0), sampled, lambda _: greedy, logits)  # all greedy: no draw
     return jnp.where(temperature_W <= 0, greedy, drawn).astype(jnp.int32)
 
 
@@ -143,27 +153,85 @@ def limit_logits(
 ) -> Array:
     """The logits ``sample_rows`` draws from (sampled rows): divided by the temperature, -inf
     outside the top-k / top-p / min-p limits; their softmax is the distribution of its draw. Each
-    limit's work runs only when some row sets it: the candidates' top-k (a sort of every row on
-    some backends) for top-k and top-p, in a branch that takes the raw logits and divides them
+    limit's work runs only when some row sets it: the candidates' top values (``top_values``) for
+    top-k and top-p, in a branch that takes the raw logits and divides them
     itself (so the division fuses into what reads it there); min-p needs each row's maximum
     (``row_max_W``: [W, 1], the raw logits' own, where the caller already has it)."""
     logits = logits_WxV.astype(jnp.float32)
-    t = jnp.maximum(temperature_W, 1e-6)[:, None]
-    scaled = logits / t
+    return _limited(logits, *_limits(logits, temperature_W, top_k_W, top_p_W, min_p_W, row_max_W))
+
+
+def _limits(logits_WxV, temperature_W, top_k_W, top_p_W, min_p_W, row_max_W) -> tuple[Array, Array]:
+    """``limit_logits``' divisor and logit threshold per row, each [W, 1]."""
+    t = _temperature(temperature_W)
     none = lambda logits: jnp.full((logits.shape[0], 1), -jnp.inf, logits.dtype)  # noqa: E731
     limited = (top_k_W > 0) | (top_p_W < 1.0)
-    threshold = skip_unless(jnp.any(limited), lambda x: _top_cutoff(x / t, top_k_W, top_p_W, limited), none, logits)
+    top_cutoff = lambda x: _top_cutoff(x / t, top_k_W, top_p_W, limited)  # noqa: E731
+    threshold = skip_unless(jnp.any(limited), top_cutoff, none, logits_WxV)
     if min_p_W is not None:  # p_i >= min_p * p_max  <=>  scaled_i >= scaled_max + log(min_p)
-        row_max = jnp.max(logits, axis=-1, keepdims=True) if row_max_W is None else row_max_W
+        row_max = jnp.max(logits_WxV, axis=-1, keepdims=True) if row_max_W is None else row_max_W
         top = row_max / t  # = max(scaled): x / t rounds monotonically in x
         threshold = jnp.maximum(threshold, top + jnp.log(min_p_W)[:, None])
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    return t, threshold
+
+
+def _limited(logits: Array, t_W: Array, threshold_W: Array) -> Array:
+    """Logits [W, ...] divided by t, -inf below the threshold (both [W, 1])."""
+    scaled = logits / t_W
+    return jnp.where(scaled >= threshold_W, scaled, -jnp.inf)
+
+
+def _temperature(temperature_W: Array) -> Array:
+    """[W, 1]: what ``limit_logits`` divides each row by (a greedy row's 0 as 1e-6)."""
+    return jnp.maximum(temperature_W, 1e-6)[:, None]
+
+
+def draw(keys_W: Array, logits_WxV: Array, shift_W: Array, limit: Callable[[Array], Array] | None = None) -> Array:
+    """One token per row of softmax(limit(logits)) (-inf: never drawn; ``limit``: an elementwise
+    map with per-row [W, 1] parameters, none by default), ``shift`` [W, 1] the limited row's
+    maximum (exp(x - shift) must neither overflow nor underflow for the likeliest token): a block
+    of ``DRAW_BLOCK`` tokens by the block's mass, then a token of that block by its logit, so
+    P(token) = P(block) P(token | block), the distribution of ``jax.random.categorical`` over the
+    whole row, from V / DRAW_BLOCK + DRAW_BLOCK Gumbel variates per row instead of V (their bits
+    were most of a plain-sampling batch's sampler time on the TPU compiler's estimate). The block
+    is read from ``logits`` and limited again, so the limited row is never written out."""
+    limit = limit or (lambda x: x)
+    W, V = logits_WxV.shape
+    L = min(DRAW_BLOCK, V)
+    padded = jnp.pad(limit(logits_WxV), ((0, 0), (0, -V % L)), constant_values=-jnp.inf)
+    log_mass = jnp.log(jnp.sum(jnp.exp(padded.reshape(W, -1, L) - shift_W[:, :, None]), axis=-1))  # [W, V / L]
+    block_keys, token_keys = jnp.moveaxis(jax.vmap(lambda key: jax.random.split(key))(keys_W), 1, 0)
+    b = jax.vmap(jax.random.categorical)(block_keys, log_mass)
+    start = jnp.minimum(b * L, V - L)  # the last block, when short, is read with the end of the one before
+    at = start[:, None] + jnp.arange(L)
+    block = jnp.where(at >= (b * L)[:, None], limit(jnp.take_along_axis(logits_WxV, at, axis=-1)), -jnp.inf)
+    return start + jax.vmap(jax.random.categorical)(token_keys, block)
+
+
+def top_values(x_WxV: Array, k: int) -> Array:
+    """[W, k]: each row's k largest values, descending (ties repeated), as ``lax.top_k`` gives them.
+    In a program for TPU by rounds of at most ``TOP_K_PIECE``: the TPU compiler lowers a larger
+    top-k as a sort of every row's whole vocabulary, values and indices, which its cost model does
+    not even estimate; a round costs its TopK call and one pass that counts the ties."""
+    return per_platform(x_WxV, default=lambda x: jax.lax.top_k(x, k)[0], tpu=lambda x: _top_values_in_rounds(x, k))
+
+
+def _top_values_in_rounds(x_WxV: Array, k: int) -> Array:
+    if k <= TOP_K_PIECE:
+        return jax.lax.top_k(x_WxV, k)[0]
+    first = jax.lax.top_k(x_WxV, TOP_K_PIECE)[0]
+    low = jnp.min(first, axis=-1, keepdims=True)  # first[:, -1:], but a slice of top_k's result makes the TPU sort
+    ties = jnp.sum(x_WxV >= low, axis=-1, keepdims=True)  # >= TOP_K_PIECE: ranks TOP_K_PIECE .. ties - 1 are low
+    rest = _top_values_in_rounds(jnp.where(x_WxV < low, x_WxV, -jnp.inf), k - TOP_K_PIECE)
+    rank = jnp.arange(TOP_K_PIECE, k)
+    after = jnp.take_along_axis(rest, jnp.clip(rank - ties, 0, k - TOP_K_PIECE - 1), axis=-1)
+    return jnp.concatenate([first, jnp.where(rank < ties, low, after)], axis=-1)
 
 
 def _top_cutoff(scaled_WxV: Array, top_k_W: Array, top_p_W: Array, limited_W: Array) -> Array:
     """[W, 1]: each row's smallest logit inside its top-k and top-p (-inf for a row with neither:
     ``limited`` false)."""
-    top, _ = jax.lax.top_k(scaled_WxV, min(CANDIDATES, scaled_WxV.shape[-1]))  # [W, K] descending
+    top = top_values(scaled_WxV, min(CANDIDATES, scaled_WxV.shape[-1]))  # [W, K] descending
     k = jnp.where(top_k_W > 0, jnp.minimum(top_k_W, top.shape[-1]), top.shape[-1])
     kth = jnp.take_along_axis(top, (k - 1)[:, None], axis=-1)  # k-th largest
     probs = jnp.exp(top - jax.nn.logsumexp(scaled_WxV, axis=-1, keepdims=True))
@@ -204,7 +272,9 @@ def speculative_accept(
     greedy_W = temperature_W <= 0
     argmax = jnp.argmax(logits_WxNxV, axis=-1).astype(jnp.int32)
     residual = jnp.where(jnp.arange(V) == draft[..., None], -jnp.inf, masked)  # p without the rejected token
-    drawn = jax.vmap(jax.vmap(jax.random.categorical))(keys[:, 1], residual).astype(jnp.int32)
+    residual = residual.reshape(W * N, V)
+    shift = jnp.max(residual, axis=-1, keepdims=True)  # its own: a rejected draft may have held nearly all the mass
+    drawn = draw(keys[:, 1].reshape(W * N), residual, shift).reshape(W, N).astype(jnp.int32)
     ok = jnp.where(greedy_W[:, None], draft == argmax, (draft >= 0) & (u < p_draft))
     return _keep_prefix(draft, ok, jnp.where(greedy_W[:, None], argmax, drawn))
 

@@ -242,3 +242,50 @@ def test_greedy_speculation_keeps_the_argmax_prefix():
         assert int(n[0]) == want_n and list(np.asarray(tokens[0, : want_n + 1])) == want
         g_tokens, g_n = greedy_accept(logits, jnp.asarray([draft]))
         assert int(g_n[0]) == want_n and np.array_equal(np.asarray(g_tokens), np.asarray(tokens))
+
+
+@pytest.mark.parametrize("k", [300, 700, 1100])
+def test_top_values_in_rounds_of_the_tpus_topk_are_lax_top_ks_values(k):
+    """The TPU form of the candidates (rounds of TOP_K_PIECE, here of 256 so k 700 and 1,100
+    take three and five rounds) gives ``lax.top_k``'s values, descending, with ties repeated
+    across a round's edge and -inf rows and tails where logits are masked."""
+    from unittest import mock
+
+    from laplace_jax import sampling
+
+    rng = np.random.default_rng(4)
+    x = np.stack(
+        [
+            rng.integers(-20, 20, 3000).astype(np.float32),  # ~75 copies of each value: ties at every edge
+            rng.standard_normal(3000).astype(np.float32),
+            np.where(np.arange(3000) < 600, rng.standard_normal(3000), -np.inf).astype(np.float32),  # 600 finite
+            np.full(3000, -np.inf, np.float32),
+        ]
+    )
+    with mock.patch.object(sampling, "TOP_K_PIECE", 256):
+        got = np.asarray(jax.jit(sampling._top_values_in_rounds, static_argnums=1)(jnp.asarray(x), k))
+    np.testing.assert_array_equal(got, np.asarray(jax.lax.top_k(jnp.asarray(x), k)[0]))
+    np.testing.assert_array_equal(got, -np.sort(-x, axis=-1)[:, :k])
+
+
+@pytest.mark.parametrize("V", [300, 1024])
+def test_a_block_then_token_draw_follows_the_softmax(V):
+    """``draw`` (a block of DRAW_BLOCK tokens by its mass, then a token in it) against a numpy
+    softmax over 40 tokens spread across every block (V = 300: the short last block is read with
+    the end of the one before, which must never be drawn from it), -inf tokens never drawn, and a
+    ``limit`` applied: chi-square with 39 degrees of freedom below 80 (p < 1e-4)."""
+    from laplace_jax.sampling import draw
+
+    n = 40_000
+    support = np.random.default_rng(5).choice(V, 40, replace=False)
+    support[0] = V - 1  # the last token, in the short block when V = 300
+    logits = np.full(V, -np.inf, np.float32)
+    logits[support] = np.random.default_rng(6).standard_normal(40).astype(np.float32) * 2
+    t = 1.5
+    want = np.where(np.isfinite(logits), np.exp(logits / t - np.max(logits / t)), 0.0)
+    want /= want.sum()
+    rows = jnp.broadcast_to(jnp.asarray(logits), (n, V))
+    shift = jnp.full((n, 1), np.max(logits) / t, jnp.float32)
+    keys = jax.random.split(jax.random.key(7), n)
+    tokens = np.asarray(jax.jit(lambda k, x, s: draw(k, x, s, lambda x: x / t))(keys, rows, shift))
+    assert _chi_square(tokens, want) < 80

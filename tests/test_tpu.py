@@ -172,6 +172,32 @@ def test_the_tiny_decode_and_serve_programs_report(tmp_path):
     assert one["estimate"]["seconds"] > reps[3]["estimate"]["seconds"]  # the verify and its replay are counted
 
 
+def test_the_sampler_compiled_for_a_tpu_sorts_no_row():
+    """The TPU compiler lowers a ``lax.top_k`` of the sampler's 1,024 candidates as a sort of every
+    row's whole vocabulary, values and indices (its cost model gives the sort no estimate, so it is
+    also invisible there), and a top-k of at most 512 as its TopK call. ``sampling.top_values``
+    takes the candidates in rounds of 512: the sampler with top-k / top-p and the logprobs' top 20
+    compile to TopK calls and no sort."""
+    from laplace_jax.sampling import CANDIDATES, TOP_K_PIECE, sample_rows, token_logprobs
+
+    W, V = 8, 50304  # the 3B's vocabulary
+    _, single = _compile(lambda x: jax.lax.top_k(x, CANDIDATES)[0], ((W, V), jnp.float32), topology="v5p:1x1x1")
+    assert " sort(" in single.as_text()  # why the rounds exist: if this fails, a plain top_k may do again
+    _, piece = _compile(lambda x: jax.lax.top_k(x, TOP_K_PIECE)[0], ((W, V), jnp.float32), topology="v5p:1x1x1")
+    assert " sort(" not in piece.as_text() and 'custom_call_target="TopK"' in piece.as_text()
+
+    def sampler(logits, t, k, p, key_data):
+        keys = jax.random.wrap_key_data(key_data)
+        token = sample_rows(logits, t, k, p, keys)
+        return token, token_logprobs(logits, token)
+
+    shapes = (((W, V), jnp.float32), ((W,), jnp.float32), ((W,), jnp.int32), ((W,), jnp.float32), ((W, 2), jnp.uint32))
+    _, c = _compile(sampler, *shapes, topology="v5p:1x1x1")
+    hlo = c.as_text()
+    assert " sort(" not in hlo
+    assert hlo.count('custom_call_target="TopK"') >= 3  # two rounds of candidates and the logprobs' top 20
+
+
 def test_decode_writes_each_layers_state_once_and_reads_no_stack():
     """On the TPU compile of the tiny decode step, every layer's state is written by exactly one
     op (the fused update, which also yields the output), in place of the donated buffer: no
