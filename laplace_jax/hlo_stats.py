@@ -323,10 +323,12 @@ def _runs_as_code(ins: Instr, attr: str) -> bool:
     return ins.opcode in ("call", "async-start") and attr in ("to_apply", "calls")
 
 
-def costliest_branches(module: Module, cost: Callable[[str, Any], float]) -> dict[str, str]:
-    """{conditional instruction's name: its costliest branch computation}, each branch's cost its
-    own instructions' (``cost(comp, ins)``) plus what it runs as code (loops by their trips, nested
-    conditionals by their own costliest branch)."""
+def chosen_branches(
+    module: Module, cost: Callable[[str, Any], float], pick: Callable[..., str] = max
+) -> dict[str, str]:
+    """{conditional instruction's name: its costliest branch computation} (``pick=min``: its
+    cheapest), each branch's cost its own instructions' (``cost(comp, ins)``) plus what it runs as
+    code (loops by their trips, nested conditionals by their own branch of the same pick)."""
     chosen: dict[str, str] = {}
 
     @functools.cache
@@ -337,7 +339,7 @@ def costliest_branches(module: Module, cost: Callable[[str, Any], float]) -> dic
             trips = (module.trip_count(comp, ins) or 1) if ins.opcode == "while" else 1
             called = [(a, callee) for a, callee in ins.callees() if _runs_as_code(ins, a)]
             if ins.opcode == "conditional" and called:
-                best = max((callee for _, callee in called), key=total)
+                best = pick((callee for _, callee in called), key=total)
                 chosen[ins.name] = best
                 c += total(best)
                 continue

@@ -34,13 +34,14 @@ import re
 import subprocess
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from laplace_jax.errors import UserError
 from laplace_jax.hlo_stats import (
     Module,
     arrays,
-    costliest_branches,
+    chosen_branches,
     gla_kernels,
     loops,
     memory_report,
@@ -355,14 +356,24 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     reshape that the compiler kept as one (a relayout: a free one is a bitcast) carries no
     estimate either; it is counted at the DMA floor of reading and writing its result. A
     conditional counts its costliest branch (one run takes one branch; which one the data
-    decides, so the estimate is the dearest), with everything else inside that branch."""
+    decides, so the estimate is the dearest), with everything else inside that branch;
+    ``cheapest_seconds`` (in a program with a conditional) takes every conditional's cheapest
+    branch instead: in serving's decode program, a batch that asks for no optional work (greedy,
+    no logprobs, no grammar, no top-k or top-p)."""
     module = Module(hlo)
     costs = {}  # every computation that runs as code, whichever branch reaches it
     for comp in module.multiplicities(control_only=True):
         for ins in module.computations.get(comp, []):
             costs[comp, ins.name] = _instr_cost(module, comp, ins, chip)
-    chosen = costliest_branches(module, lambda comp, ins: costs[comp, ins.name][0] or 0.0)
-    mult = module.multiplicities(control_only=True, branch=lambda ins: chosen.get(ins.name, ""))
+
+    def cost(comp: str, ins: Any) -> float:
+        return costs[comp, ins.name][0] or 0.0
+
+    def multiplicities(pick: Callable[..., str]) -> dict[str, float]:
+        chosen = chosen_branches(module, cost, pick)
+        return module.multiplicities(control_only=True, branch=lambda ins: chosen.get(ins.name, ""))
+
+    mult = multiplicities(max)
     frames = module.frames()
     cycles = 0.0
     by_source: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -394,9 +405,15 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     )
     for r in rows:
         r["share"] = r["seconds"] / seconds if seconds else 0.0
+    cheapest = {}
+    if any(ins.opcode == "conditional" for instrs in module.computations.values() for ins in instrs):
+        low = multiplicities(min)
+        cycles_low = sum(f * cost(comp, ins) for comp, f in low.items() for ins in module.computations.get(comp, []))
+        cheapest["cheapest_seconds"] = cycles_low / (chip.clock_ghz * 1e9)
     return {
         "label": LABEL if not mosaic else f"{LABEL}; {MOSAIC_LABEL}",
         "seconds": seconds,
+        **cheapest,
         "cycles": cycles,
         "clock_ghz": chip.clock_ghz,
         "loops": loops(module),
@@ -457,6 +474,8 @@ def format_report(rep: dict[str, Any], top: int = 8) -> str:
         f"{_gib(mem['outputs'])}, {_gib(mem['aliased'])} aliased){'' if mem['fits'] else '  DOES NOT FIT'}",
         f"  estimated time     {_ms(est['seconds'])}  [{est['label']}]",
     ]
+    if "cheapest_seconds" in est:
+        lines.append(f"  cheapest branches  {_ms(est['cheapest_seconds'])} (above: each conditional's dearest)")
     if rep.get("gla_kernels"):
         lines.append(f"  GLA kernels        {', '.join(rep['gla_kernels'])} (read from the compiled program)")
     alike: dict[tuple[str, str, str], float] = defaultdict(float)  # identical calls (one per layer) on one line

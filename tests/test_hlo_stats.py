@@ -188,7 +188,8 @@ ENTRY %main (x: f32[1024]) -> f32[1024] {
 def test_a_conditional_counts_its_costliest_branch():
     """One run takes one branch: the estimate counts the dearer one (700 plus its nested
     conditional's dearer 50) per loop step, not the sum of both branches (which the
-    estimate did before: 870 per step), and names only that branch's ops."""
+    estimate did before: 870 per step), and names only that branch's ops; its cheapest reading
+    takes the cheaper (100 per step)."""
     from laplace_jax.hlo_stats import Module
     from laplace_jax.tpu import CHIPS, estimate
 
@@ -196,6 +197,7 @@ def test_a_conditional_counts_its_costliest_branch():
     assert module.multiplicities(control_only=True)["cheap"] == 10  # structurally, every branch is reachable
     est = estimate(TPU_COND, CHIPS["v5e"])
     assert est["cycles"] == 10 * (700 + 50)
+    assert est["cheapest_seconds"] * CHIPS["v5e"].clock_ghz * 1e9 == pytest.approx(10 * 100)  # every cheapest branch
     assert {r["source"] for r in est["by_source"]} == {"(no source)"}
     assert set(est["by_source"][0]["primitives"]) == {"mul"}  # the cheap branch's add is not counted
     mult = module.multiplicities(control_only=True, branch=lambda ins: {"y": "dear", "c": "inner_hi"}.get(ins.name, ""))
