@@ -1100,8 +1100,8 @@ def _serve_ab(r: dict) -> list[str]:
 
 
 SAMPLER_ROWS = (  # report (0: now, 1: before), key type (0: threefry, 1: rbg), label, keys, bold share
-    (0, 0, "`lax.top_k` over 1,024 candidates (now)", "threefry2x32", True),
-    (0, 1, "`lax.top_k` over 1,024 candidates (now)", "rbg (Neuron)", True),
+    (0, 0, "1,024 candidates' top-k, a draw by block (now)", "threefry2x32", True),
+    (0, 1, "1,024 candidates' top-k, one categorical (now)", "rbg (Neuron)", True),
     (1, 0, "full sort of every row (before; `sampler_3b_before.json`)", "threefry2x32", False),
     (1, 1, "full sort of every row (before)", "rbg", False),
 )

@@ -189,12 +189,19 @@ def _temperature(temperature_W: Array) -> Array:
 def draw(keys_W: Array, logits_WxV: Array, shift_W: Array, limit: Callable[[Array], Array] | None = None) -> Array:
     """One token per row of softmax(limit(logits)) (-inf: never drawn; ``limit``: an elementwise
     map with per-row [W, 1] parameters, none by default), ``shift`` [W, 1] the limited row's
-    maximum (exp(x - shift) must neither overflow nor underflow for the likeliest token): a block
-    of ``DRAW_BLOCK`` tokens by the block's mass, then a token of that block by its logit, so
-    P(token) = P(block) P(token | block), the distribution of ``jax.random.categorical`` over the
-    whole row, from V / DRAW_BLOCK + DRAW_BLOCK Gumbel variates per row instead of V (their bits
-    were most of a plain-sampling batch's sampler time on the TPU compiler's estimate). The block
-    is read from ``logits`` and limited again, so the limited row is never written out."""
+    maximum (exp(x - shift) must neither overflow nor underflow for the likeliest token).
+
+    With threefry keys (JAX's default, every backend's here but Neuron's), whose bits cost a
+    counter hash each: a block of ``DRAW_BLOCK`` tokens by the block's mass, then a token of that
+    block by its logit, so P(token) = P(block) P(token | block), the distribution of
+    ``jax.random.categorical`` over the whole row, from V / DRAW_BLOCK + DRAW_BLOCK Gumbel
+    variates per row instead of V (their bits were most of a plain-sampling batch's sampler time
+    on the TPU compiler's estimate); the block is read from ``logits`` and limited again, so the
+    limited row is never written out. With rbg keys (Neuron's), whose bits are the hardware
+    generator's, one categorical over the row moves fewer bytes (XLA's cost analysis of the 3B
+    sampler: BENCHMARKS.md, "The sampler's share of a decode step") and is kept."""
+    if str(jax.random.key_impl(keys_W)) != "threefry2x32":
+        return jax.vmap(jax.random.categorical)(keys_W, logits_WxV if limit is None else limit(logits_WxV))
     limit = limit or (lambda x: x)
     W, V = logits_WxV.shape
     L = min(DRAW_BLOCK, V)

@@ -268,12 +268,13 @@ def test_top_values_in_rounds_of_the_tpus_topk_are_lax_top_ks_values(k):
     np.testing.assert_array_equal(got, -np.sort(-x, axis=-1)[:, :k])
 
 
-@pytest.mark.parametrize("V", [300, 1024])
-def test_a_block_then_token_draw_follows_the_softmax(V):
-    """``draw`` (a block of DRAW_BLOCK tokens by its mass, then a token in it) against a numpy
-    softmax over 40 tokens spread across every block (V = 300: the short last block is read with
-    the end of the one before, which must never be drawn from it), -inf tokens never drawn, and a
-    ``limit`` applied: chi-square with 39 degrees of freedom below 80 (p < 1e-4)."""
+@pytest.mark.parametrize("V,impl", [(300, "threefry2x32"), (1024, "threefry2x32"), (300, "rbg")])
+def test_a_block_then_token_draw_follows_the_softmax(V, impl):
+    """``draw`` (threefry keys: a block of DRAW_BLOCK tokens by its mass, then a token in it; rbg
+    keys: one categorical over the row) against a numpy softmax over 40 tokens spread across every
+    block (V = 300: the short last block is read with the end of the one before, which must never
+    be drawn from it), -inf tokens never drawn, and a ``limit`` applied: chi-square with 39 degrees
+    of freedom below 80 (p < 1e-4)."""
     from laplace_jax.sampling import draw
 
     n = 40_000
@@ -286,6 +287,6 @@ def test_a_block_then_token_draw_follows_the_softmax(V):
     want /= want.sum()
     rows = jnp.broadcast_to(jnp.asarray(logits), (n, V))
     shift = jnp.full((n, 1), np.max(logits) / t, jnp.float32)
-    keys = jax.random.split(jax.random.key(7), n)
+    keys = jax.random.split(jax.random.key(7, impl=impl), n)
     tokens = np.asarray(jax.jit(lambda k, x, s: draw(k, x, s, lambda x: x / t))(keys, rows, shift))
     assert _chi_square(tokens, want) < 80
