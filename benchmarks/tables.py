@@ -99,8 +99,8 @@ def _tpu_programs(r: dict) -> list[str]:
         name = rep["program"]
         if "steps_per_call" in rep:  # one call decodes several tokens: say so, with the time per token
             name += f", {rep['steps_per_call']} tokens per call ({_ms(rep['per_token_s'])} per token"
-            if "per_token_cheapest_s" in rep:  # every conditional's cheapest branch: no optional work
-                name += f"; {_ms(rep['per_token_cheapest_s'])} for a greedy batch with nothing optional"
+            if "per_token_optional_skipped_s" in rep:  # platform.skip_unless's work skipped
+                name += f"; {_ms(rep['per_token_optional_skipped_s'])} for a greedy batch with nothing optional"
             name += ")"
         if rep.get("mosaic"):  # timed as Mosaic kernels are (tpu.MOSAIC_LABEL)
             name += " [Mosaic: static schedule or DMA floor]"

@@ -324,11 +324,11 @@ def _runs_as_code(ins: Instr, attr: str) -> bool:
 
 
 def chosen_branches(
-    module: Module, cost: Callable[[str, Any], float], pick: Callable[..., str] = max
+    module: Module, cost: Callable[[str, Any], float], cheapest: Callable[[Any], bool] = lambda ins: False
 ) -> dict[str, str]:
-    """{conditional instruction's name: its costliest branch computation} (``pick=min``: its
-    cheapest), each branch's cost its own instructions' (``cost(comp, ins)``) plus what it runs as
-    code (loops by their trips, nested conditionals by their own branch of the same pick)."""
+    """{conditional instruction's name: its costliest branch computation} (its cheapest where
+    ``cheapest(ins)``), each branch's cost its own instructions' (``cost(comp, ins)``) plus what it
+    runs as code (loops by their trips, nested conditionals by their own chosen branch)."""
     chosen: dict[str, str] = {}
 
     @functools.cache
@@ -339,7 +339,7 @@ def chosen_branches(
             trips = (module.trip_count(comp, ins) or 1) if ins.opcode == "while" else 1
             called = [(a, callee) for a, callee in ins.callees() if _runs_as_code(ins, a)]
             if ins.opcode == "conditional" and called:
-                best = pick((callee for _, callee in called), key=total)
+                best = (min if cheapest(ins) else max)((callee for _, callee in called), key=total)
                 chosen[ins.name] = best
                 c += total(best)
                 continue

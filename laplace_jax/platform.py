@@ -76,12 +76,22 @@ def per_platform(*args, default: Callable, **branches: Callable):
     return jax.lax.platform_dependent(*args, default=default, **branches)
 
 
+OPTIONAL_SCOPE = "skip_unless"  # the name scope of skip_unless's conditionals: optional work, as tpu.estimate reads it
+
+
 def skip_unless(pred: jax.Array, fn: Callable, otherwise: Callable, *args):
     """``fn(*args)`` where the scalar ``pred`` holds, else ``otherwise(*args)`` (same shapes): a
-    ``lax.cond`` that skips work no row of a batch needs. In a program for Neuron, whose compiler
-    takes no ``lax.cond``, ``fn`` always runs, so ``fn`` must give what ``otherwise`` gives wherever
-    ``pred`` is false (or what is returned there must go unread)."""
-    return per_platform(*args, default=lambda *a: jax.lax.cond(pred, fn, otherwise, *a), neuron=fn)
+    ``lax.cond`` that skips work no row of a batch needs, under the name scope ``OPTIONAL_SCOPE``
+    (so a reader of the compiled program can tell optional work from other branches:
+    ``tpu.estimate``). In a program for Neuron, whose compiler takes no ``lax.cond``, ``fn`` always
+    runs, so ``fn`` must give what ``otherwise`` gives wherever ``pred`` is false (or what is
+    returned there must go unread)."""
+
+    def cond(*a):
+        with jax.named_scope(OPTIONAL_SCOPE):
+            return jax.lax.cond(pred, fn, otherwise, *a)
+
+    return per_platform(*args, default=cond, neuron=fn)
 
 
 # PJRT plugins by the module names their packages install (jax[tpu]'s libtpu, jax[cuda*]'s plugin

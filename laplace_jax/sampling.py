@@ -95,7 +95,7 @@ def grammar_limit(pen_WxV: Array, logits_WxV: Array, table_RxTxL: Array, gstate_
         stuck = ~jnp.any(out > -jnp.inf, axis=-1, keepdims=True)
         return jnp.where(stuck, jnp.where(allowed, logits_WxV.astype(jnp.float32), -jnp.inf), out)
 
-    return jax.lax.cond(jnp.any(gstate_W >= 0), masked, lambda pen: pen, pen_WxV)
+    return skip_unless(jnp.any(gstate_W >= 0), masked, lambda pen: pen, pen_WxV)
 
 
 def grammar_next(table_RxTxL: Array, gstate_W: Array, token_W: Array, valid_W: Array) -> Array:

@@ -357,9 +357,10 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     estimate either; it is counted at the DMA floor of reading and writing its result. A
     conditional counts its costliest branch (one run takes one branch; which one the data
     decides, so the estimate is the dearest), with everything else inside that branch;
-    ``cheapest_seconds`` (in a program with a conditional) takes every conditional's cheapest
-    branch instead: in serving's decode program, a batch that asks for no optional work (greedy,
-    no logprobs, no grammar, no top-k or top-p)."""
+    ``optional_skipped_seconds`` (in a program with optional work: ``platform.skip_unless``'s
+    conditionals, read by their name scope) takes those conditionals' cheapest branch instead and
+    every other's costliest: in serving's decode program, a batch of live rows that asks for no
+    optional work (greedy, no logprobs, no grammar, no top-k or top-p)."""
     module = Module(hlo)
     costs = {}  # every computation that runs as code, whichever branch reaches it
     for comp in module.multiplicities(control_only=True):
@@ -369,11 +370,14 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     def cost(comp: str, ins: Any) -> float:
         return costs[comp, ins.name][0] or 0.0
 
-    def multiplicities(pick: Callable[..., str]) -> dict[str, float]:
-        chosen = chosen_branches(module, cost, pick)
+    def multiplicities(cheapest: Callable[[Any], bool]) -> dict[str, float]:
+        chosen = chosen_branches(module, cost, cheapest)
         return module.multiplicities(control_only=True, branch=lambda ins: chosen.get(ins.name, ""))
 
-    mult = multiplicities(max)
+    from laplace_jax.platform import OPTIONAL_SCOPE  # imports jax, which this module's readers may not need
+
+    optional = lambda ins: ins.opcode == "conditional" and f"{OPTIONAL_SCOPE}/" in ins.op_name  # noqa: E731
+    mult = multiplicities(lambda ins: False)
     frames = module.frames()
     cycles = 0.0
     by_source: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -405,15 +409,15 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     )
     for r in rows:
         r["share"] = r["seconds"] / seconds if seconds else 0.0
-    cheapest = {}
-    if any(ins.opcode == "conditional" for instrs in module.computations.values() for ins in instrs):
-        low = multiplicities(min)
+    skipped = {}
+    if any(optional(ins) for comp in mult for ins in module.computations.get(comp, [])):
+        low = multiplicities(optional)
         cycles_low = sum(f * cost(comp, ins) for comp, f in low.items() for ins in module.computations.get(comp, []))
-        cheapest["cheapest_seconds"] = cycles_low / (chip.clock_ghz * 1e9)
+        skipped["optional_skipped_seconds"] = cycles_low / (chip.clock_ghz * 1e9)
     return {
         "label": LABEL if not mosaic else f"{LABEL}; {MOSAIC_LABEL}",
         "seconds": seconds,
-        **cheapest,
+        **skipped,
         "cycles": cycles,
         "clock_ghz": chip.clock_ghz,
         "loops": loops(module),
@@ -474,8 +478,8 @@ def format_report(rep: dict[str, Any], top: int = 8) -> str:
         f"{_gib(mem['outputs'])}, {_gib(mem['aliased'])} aliased){'' if mem['fits'] else '  DOES NOT FIT'}",
         f"  estimated time     {_ms(est['seconds'])}  [{est['label']}]",
     ]
-    if "cheapest_seconds" in est:
-        lines.append(f"  cheapest branches  {_ms(est['cheapest_seconds'])} (above: each conditional's dearest)")
+    if "optional_skipped_seconds" in est:
+        lines.append(f"  optional skipped   {_ms(est['optional_skipped_seconds'])} (above: all optional work done)")
     if rep.get("gla_kernels"):
         lines.append(f"  GLA kernels        {', '.join(rep['gla_kernels'])} (read from the compiled program)")
     alike: dict[tuple[str, str, str], float] = defaultdict(float)  # identical calls (one per layer) on one line

@@ -134,12 +134,12 @@ TPU_COND = """HloModule jit_h, is_scheduled=true
   ROOT %m = f32[1024]{0} add(%p, %p), metadata={op_name="jit(h)/while/body/cond/branch_0_fun/add"}
 }
 
-%inner_hi (x: f32[1024]) -> f32[1024] {
+%in_hi (x: f32[1024]) -> f32[1024] {
   %x = f32[1024]{0} parameter(0)
   ROOT %f = f32[1024]{0} fusion(%x), kind=kLoop, calls=%fused_a, backend_config={"estimated_cycles":"50"}
 }
 
-%inner_lo (x: f32[1024]) -> f32[1024] {
+%in_lo (x: f32[1024]) -> f32[1024] {
   %x = f32[1024]{0} parameter(0)
   ROOT %f = f32[1024]{0} fusion(%x), kind=kLoop, calls=%fused_b, backend_config={"estimated_cycles":"20"}
 }
@@ -147,8 +147,8 @@ TPU_COND = """HloModule jit_h, is_scheduled=true
 %dear (x: f32[1024]) -> f32[1024] {
   %x = f32[1024]{0} parameter(0)
   %f = f32[1024]{0} fusion(%x), kind=kLoop, calls=%fused_a, backend_config={"estimated_cycles":"700"}
-  %q = pred[]{:T(512)} constant(true)
-  ROOT %c = f32[1024]{0} conditional(%q, %f, %f), true_computation=%inner_lo, false_computation=%inner_hi
+  %q = s32[]{:T(128)} constant(1)
+  ROOT %c = f32[1024]{0} conditional(%q,%f,%f), branch_computations={%in_hi,%in_lo}, metadata={op_name="skip_unless/"}
 }
 
 %cheap (x: f32[1024]) -> f32[1024] {
@@ -188,8 +188,9 @@ ENTRY %main (x: f32[1024]) -> f32[1024] {
 def test_a_conditional_counts_its_costliest_branch():
     """One run takes one branch: the estimate counts the dearer one (700 plus its nested
     conditional's dearer 50) per loop step, not the sum of both branches (which the
-    estimate did before: 870 per step), and names only that branch's ops; its cheapest reading
-    takes the cheaper (100 per step)."""
+    estimate did before: 870 per step), and names only that branch's ops. With optional work
+    skipped, the nested conditional (``platform.skip_unless``'s, by its name scope) takes its
+    cheaper branch (20) and the outer one still its dearer."""
     from laplace_jax.hlo_stats import Module
     from laplace_jax.tpu import CHIPS, estimate
 
@@ -197,11 +198,12 @@ def test_a_conditional_counts_its_costliest_branch():
     assert module.multiplicities(control_only=True)["cheap"] == 10  # structurally, every branch is reachable
     est = estimate(TPU_COND, CHIPS["v5e"])
     assert est["cycles"] == 10 * (700 + 50)
-    assert est["cheapest_seconds"] * CHIPS["v5e"].clock_ghz * 1e9 == pytest.approx(10 * 100)  # every cheapest branch
+    skipped = est["optional_skipped_seconds"] * CHIPS["v5e"].clock_ghz * 1e9  # optional work at its cheapest
+    assert skipped == pytest.approx(10 * (700 + 20))  # the outer conditional is not skip_unless's: still the dearer
     assert {r["source"] for r in est["by_source"]} == {"(no source)"}
     assert set(est["by_source"][0]["primitives"]) == {"mul"}  # the cheap branch's add is not counted
-    mult = module.multiplicities(control_only=True, branch=lambda ins: {"y": "dear", "c": "inner_hi"}.get(ins.name, ""))
-    assert mult["dear"] == 10 and mult["inner_hi"] == 10 and "cheap" not in mult and "inner_lo" not in mult
+    mult = module.multiplicities(control_only=True, branch=lambda ins: {"y": "dear", "c": "in_hi"}.get(ins.name, ""))
+    assert mult["dear"] == 10 and mult["in_hi"] == 10 and "cheap" not in mult and "in_lo" not in mult
 
 
 def test_stack_frames_chain_to_their_callers():

@@ -63,7 +63,8 @@ def row_template(prng: str, vocab_size: int, history: int = 0) -> dict[str, tupl
 
     The vocabulary-wide rows (``bias``, ``seen``, ``stop_mask``, ``counts``) hold the penalties'
     inputs: 10 bytes per token id per slot (0.5 MB per slot for the 3B model's 50,304 ids, 1.7% of
-    its 29.5 MB state). ``history`` > 0 (speculation): the row's tokens so far (prompt and output,
+    its 29.5 MB state); a plain step keeps ``counts`` for the rows with a presence, frequency or
+    repetition penalty only (the others never read theirs). ``history`` > 0 (speculation): the row's tokens so far (prompt and output,
     ``hlen`` of them; the n-gram lookup's text) in a buffer of that many ids, and the lookup's
     back-off counters (``speculative.backoff``)."""
     spec = {
@@ -306,7 +307,8 @@ def _plain_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid):
     remaining = r["remaining"] - valid
     stop = jnp.take_along_axis(r["stop_mask"], tok[:, None], axis=-1)[:, 0]
     done = r["done"] | (valid & (stop | (remaining <= 0)))
-    counts = count_tokens(r["counts"], tok, valid)
+    counted = valid & _penalized(r)  # only penalized rows read their counts (``penalize``)
+    counts = skip_unless(jnp.any(counted), count_tokens, lambda c, *_: c, r["counts"], tok, counted)
     count = r["count"] + valid  # a row's tokens (min_tokens, its sampling key): a waiting row's stays
     rows = dict(r, token=tok, count=count, remaining=remaining, done=done, counts=counts, gstate=gstate)
     out = (tok, valid, _logprobs(logits, tok, valid & r["logprobs"]), jnp.zeros((3,), jnp.int32))
@@ -340,7 +342,7 @@ def _proposals(spec: NgramSpec, r: dict, valid_W: jax.Array) -> tuple[jax.Array,
         return jax.vmap(lookup)(history_WxL, hlen_W)
 
     none = lambda h, n: jnp.full((h.shape[0], K), -1, h.dtype)  # noqa: E731  every row paused: no look-up
-    draft = jax.lax.cond(jnp.any(on), look, none, r["history"], r["hlen"])
+    draft = skip_unless(jnp.any(on), look, none, r["history"], r["hlen"])
     return jnp.where(on[:, None] & (jnp.arange(K)[None] < r["remaining"][:, None] - 1), draft, -1), on
 
 
@@ -377,7 +379,7 @@ def _forced(lay: SlotLayout, grammar_RxTxL, r: dict, valid_W: jax.Array) -> jax.
         return jnp.stack(toks, axis=1)
 
     none = lambda g_W: jnp.full((g_W.shape[0], K), -1, jnp.int32)  # noqa: E731
-    return jax.lax.cond(jnp.any(valid_W & (r["gstate"] >= 0)), chain, none, r["gstate"])
+    return skip_unless(jnp.any(valid_W & (r["gstate"] >= 0)), chain, none, r["gstate"])
 
 
 def _spec_plain_step(lay: SlotLayout, plain, sub, *, looked):
@@ -432,7 +434,7 @@ def _verify_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid, draft, l
         return toks.at[:, 0].set(jnp.where(draft[:, 0] < 0, own, toks[:, 0])), accepted
 
     greedy = functools.partial(greedy_accept, limited, draft)  # every row greedy: no draws (the same tokens)
-    toks, accepted = jax.lax.cond(jnp.any(valid & (r["temperature"] > 0)), sampled, greedy)
+    toks, accepted = skip_unless(jnp.any(valid & (r["temperature"] > 0)), sampled, greedy)
     pos = jnp.arange(N)[None]
     stop_WxN = jnp.take_along_axis(r["stop_mask"], toks, axis=-1)
     first_stop = jnp.min(jnp.where(stop_WxN, pos, N), axis=-1)
