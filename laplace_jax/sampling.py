@@ -25,13 +25,14 @@ def token_logprobs(logits_WxV: Array, token_W: Array) -> tuple[Array, Array, Arr
     temperature, as vLLM reports by default): (logprob of ``token`` [W], the TOP_LOGPROBS most
     likely ids [W, k] and their logprobs [W, k], k = min(TOP_LOGPROBS, V)). Leading axes may be
     any shape; the vocabulary is the last. ``jax.nn.log_softmax``'s arithmetic, applied to the
-    values read only (the top-k takes the raw logits: the [W, V] log-softmax is never written)."""
+    values read only (the top-k takes the raw logits: the [W, V] log-softmax is never written),
+    and the row's maximum is the top-k's first (no pass over the row of its own)."""
     logits = logits_WxV.astype(jnp.float32)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    top, top_ids = jax.lax.top_k(logits, min(TOP_LOGPROBS, logits.shape[-1]))
+    row_max = jnp.max(top, axis=-1, keepdims=True)  # = top[..., :1] (a slice of top_k's result makes the TPU sort)
     log_sum = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
     logprob = lambda x: (x - row_max) - log_sum  # noqa: E731
     chosen = jnp.take_along_axis(logits, token_W[..., None].astype(jnp.int32), axis=-1)
-    top, top_ids = jax.lax.top_k(logits, min(TOP_LOGPROBS, logits.shape[-1]))
     return logprob(chosen)[..., 0], top_ids.astype(jnp.int32), logprob(top)
 
 
