@@ -344,6 +344,20 @@ def _instr_cost(module: Module, comp: str, ins: Any, chip: Chip) -> tuple[float 
     return (float(c) if c is not None else None), None, None
 
 
+def _optional(ins: Any) -> bool:
+    """Whether ``ins`` is a conditional that skips optional work (``platform.skip_unless``'s)."""
+    from laplace_jax.platform import OPTIONAL_SCOPE  # imports jax, which this module's readers may not need
+
+    return ins.opcode == "conditional" and f"{OPTIONAL_SCOPE}/" in ins.op_name
+
+
+def _multiplicities(module: Module, cost: Callable[[str, Any], float], cheapest: Callable[[Any], bool]):
+    """Runs per computation with each conditional at its costliest branch (its cheapest where
+    ``cheapest(ins)``)."""
+    chosen = chosen_branches(module, cost, cheapest)
+    return module.multiplicities(control_only=True, branch=lambda ins: chosen.get(ins.name, ""))
+
+
 def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     """The compiler's estimated time of one run of a compiled TPU module (``compiled.as_text()``).
 
@@ -370,14 +384,7 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     def cost(comp: str, ins: Any) -> float:
         return costs[comp, ins.name][0] or 0.0
 
-    def multiplicities(cheapest: Callable[[Any], bool]) -> dict[str, float]:
-        chosen = chosen_branches(module, cost, cheapest)
-        return module.multiplicities(control_only=True, branch=lambda ins: chosen.get(ins.name, ""))
-
-    from laplace_jax.platform import OPTIONAL_SCOPE  # imports jax, which this module's readers may not need
-
-    optional = lambda ins: ins.opcode == "conditional" and f"{OPTIONAL_SCOPE}/" in ins.op_name  # noqa: E731
-    mult = multiplicities(lambda ins: False)
+    mult = _multiplicities(module, cost, lambda ins: False)
     frames = module.frames()
     cycles = 0.0
     by_source: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -410,8 +417,8 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     for r in rows:
         r["share"] = r["seconds"] / seconds if seconds else 0.0
     skipped = {}
-    if any(optional(ins) for comp in mult for ins in module.computations.get(comp, [])):
-        low = multiplicities(optional)
+    if any(_optional(ins) for comp in mult for ins in module.computations.get(comp, [])):
+        low = _multiplicities(module, cost, _optional)
         cycles_low = sum(f * cost(comp, ins) for comp, f in low.items() for ins in module.computations.get(comp, []))
         skipped["optional_skipped_seconds"] = cycles_low / (chip.clock_ghz * 1e9)
     return {

@@ -64,9 +64,9 @@ def row_template(prng: str, vocab_size: int, history: int = 0) -> dict[str, tupl
     The vocabulary-wide rows (``bias``, ``seen``, ``stop_mask``, ``counts``) hold the penalties'
     inputs: 10 bytes per token id per slot (0.5 MB per slot for the 3B model's 50,304 ids, 1.7% of
     its 29.5 MB state); a plain step keeps ``counts`` for the rows with a presence, frequency or
-    repetition penalty only (the others never read theirs). ``history`` > 0 (speculation): the row's tokens so far (prompt and output,
-    ``hlen`` of them; the n-gram lookup's text) in a buffer of that many ids, and the lookup's
-    back-off counters (``speculative.backoff``)."""
+    repetition penalty only (the others never read theirs). ``history`` > 0 (speculation): the
+    row's tokens so far (prompt and output, ``hlen`` of them; the n-gram lookup's text) in a
+    buffer of that many ids, and the lookup's back-off counters (``speculative.backoff``)."""
     spec = {
         "history": ((history,), jnp.int32, -1),
         "hlen": ((), jnp.int32, 0),
