@@ -1386,6 +1386,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     ),
     "numerics_exact": (("numerics_recall_1x.json", "numerics_recall_1x_exact.json"), _numerics_exact),
     "tpu_programs": (("tpu_programs.json",), _tpu_programs),
+    "tpu_decode": (("tpu_decode.json",), _tpu_programs),
     "tpu_train": (("tpu_programs.json",), _tpu_train),
     "tpu_sources": (("tpu_programs.json",), _tpu_sources),
     "tpu_prefill": (("tpu_programs.json",), _tpu_prefill),
