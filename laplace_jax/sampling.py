@@ -208,7 +208,7 @@ def draw(keys_W: Array, logits_WxV: Array, shift_W: Array, limit: Callable[[Arra
     L = min(DRAW_BLOCK, V)
     padded = jnp.pad(limit(logits_WxV), ((0, 0), (0, -V % L)), constant_values=-jnp.inf)
     log_mass = jnp.log(jnp.sum(jnp.exp(padded.reshape(W, -1, L) - shift_W[:, :, None]), axis=-1))  # [W, V / L]
-    block_keys, token_keys = jnp.moveaxis(jax.vmap(lambda key: jax.random.split(key))(keys_W), 1, 0)
+    block_keys, token_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys_W), 1, 0)
     b = jax.vmap(jax.random.categorical)(block_keys, log_mass)
     start = jnp.minimum(b * L, V - L)  # the last block, when short, is read with the end of the one before
     at = start[:, None] + jnp.arange(L)

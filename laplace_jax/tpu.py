@@ -344,11 +344,13 @@ def _instr_cost(module: Module, comp: str, ins: Any, chip: Chip) -> tuple[float 
     return (float(c) if c is not None else None), None, None
 
 
-def _optional(ins: Any) -> bool:
-    """Whether ``ins`` is a conditional that skips optional work (``platform.skip_unless``'s)."""
+def _optional_work() -> Callable[[Any], bool]:
+    """Whether an instruction is a conditional that skips optional work (``platform.skip_unless``'s,
+    by its name scope): the predicate, built once per estimate."""
     from laplace_jax.platform import OPTIONAL_SCOPE  # imports jax, which this module's readers may not need
 
-    return ins.opcode == "conditional" and f"{OPTIONAL_SCOPE}/" in ins.op_name
+    marker = f"{OPTIONAL_SCOPE}/"
+    return lambda ins: ins.opcode == "conditional" and marker in ins.op_name
 
 
 def _multiplicities(module: Module, cost: Callable[[str, Any], float], cheapest: Callable[[Any], bool]):
@@ -416,9 +418,9 @@ def estimate(hlo: str, chip: Chip) -> dict[str, Any]:
     )
     for r in rows:
         r["share"] = r["seconds"] / seconds if seconds else 0.0
-    skipped = {}
-    if any(_optional(ins) for comp in mult for ins in module.computations.get(comp, [])):
-        low = _multiplicities(module, cost, _optional)
+    skipped, optional = {}, _optional_work()
+    if any(optional(ins) for comp in mult for ins in module.computations.get(comp, [])):
+        low = _multiplicities(module, cost, optional)
         cycles_low = sum(f * cost(comp, ins) for comp, f in low.items() for ins in module.computations.get(comp, []))
         skipped["optional_skipped_seconds"] = cycles_low / (chip.clock_ghz * 1e9)
     return {
