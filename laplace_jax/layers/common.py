@@ -332,7 +332,7 @@ class ShortConv(nn.Module):
     of the minor axis at a multiple of D, which the one-token step (``ops.conv``) reads and shifts
     without the [.., W, D] tiles' relayouts (on the TPU compiler, 24 layers' v convolutions at the
     3B config, W=256: 1.29 ms -> 0.48 ms estimated). ``lengths_B``: only the first lengths[b] inputs of row b
-    are real (the new cache ends at the last real one). Returns (y, new cache).
+    are real (the new cache ends at the last real one) and y is 0 at the others. Returns (y, new cache).
     """
 
     width: int
@@ -360,7 +360,8 @@ class ShortConv(nn.Module):
         y = sum(full[:, 1 + w : 1 + w + T] * k[w] for w in range(W))
         if lengths_B is None:
             return jax.nn.silu(y), full[:, -W:].reshape(B, W * D)
-        return jax.nn.silu(y), _window(full, lengths_B, W)
+        valid = jnp.arange(T)[None, :, None] < lengths_B[:, None, None]
+        return jnp.where(valid, jax.nn.silu(y), 0), _window(full, lengths_B, W)
 
 
 def _inputs(cache_BxWD: Array, x_BxTxD: Array) -> Array:

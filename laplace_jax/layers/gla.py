@@ -76,7 +76,7 @@ class GatedLinearAttention(nn.Module):
         w1, b1 = WeightAndBias(cfg.key_dim // G, ("rank", "heads"), name="gk_proj_1", **w)(cfg.gate_low_rank_dim)
         valid = None if lengths_B is None else jnp.arange(T)[None, :] < lengths_B[:, None]  # [B, T]
         gk = log_decay(x_BxTxD, w0, w1, b1, cfg.gate_logit_normalizer, cfg.clamp_min, valid)  # 0 at padding
-        if valid is not None:
+        if valid is not None and not cfg.use_short_conv:  # the convolutions give 0 at padding themselves
             k, v = (jnp.where(valid[:, :, None], a, 0) for a in (k, v))
         # model.remat="save_gla" keeps these as [B, T, features] rows, before the heads are split
         # off: as [B, T, H, d] a TPU tiles the few heads on the sublanes (the 340M's 4, bf16: a

@@ -238,6 +238,7 @@ def row_params(
         "frequency": np.float32(sp.frequency_penalty),
         "repetition": np.float32(sp.repetition_penalty),
         "bias": bias,
+        "biased": np.bool_(np.any(bias != 0)),
         "seen": seen,
         "stop_mask": stop_mask,
         "gstate": np.int32(-1),  # the scheduler sets the automaton's first table row

@@ -87,6 +87,7 @@ def row_template(prng: str, vocab_size: int, history: int = 0) -> dict[str, tupl
         "frequency": ((), jnp.float32, 0.0),
         "repetition": ((), jnp.float32, 1.0),
         "bias": ((vocab_size,), jnp.float32, 0.0),
+        "biased": ((), jnp.bool_, False),  # some entry of ``bias`` is not 0 (the penalties' work runs)
         "seen": ((vocab_size,), jnp.bool_, False),
         "stop_mask": ((vocab_size,), jnp.bool_, False),
         "counts": ((vocab_size,), jnp.int32, 0),
@@ -108,6 +109,7 @@ REQUEST_FIELDS = (  # set per request at insert; the rest are the decode loop's 
     "frequency",
     "repetition",
     "bias",
+    "biased",
     "seen",
     "stop_mask",
     "gstate",
@@ -299,10 +301,7 @@ def _plain_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid):
     """One token for every valid row: (slots, (tokens, valid, logprobs, stats)), per position [D*W, 1]."""
     r = sub["rows"]
     logits, model = decode_step(lay.cfg, params, r["token"], sub["model"], valid)
-    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
-    limited = grammar_limit(penalize(logits, r), logits, grammar_RxTxL, r["gstate"])
-    tok = sample_rows(limited, r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])
-    tok = jnp.where(valid, tok, r["token"])
+    tok = jnp.where(valid, _sample(lay, grammar_RxTxL, logits, r, valid), r["token"])
     gstate = grammar_next(grammar_RxTxL, r["gstate"], tok, valid)
     remaining = r["remaining"] - valid
     stop = jnp.take_along_axis(r["stop_mask"], tok[:, None], axis=-1)[:, 0]
@@ -354,6 +353,23 @@ def _waiting(grammar_RxTxL, g_W: jax.Array) -> jax.Array:
 def _penalized(r: dict) -> jax.Array:
     """[W] whether a row samples with a presence, frequency or repetition penalty."""
     return (r["presence"] != 0) | (r["frequency"] != 0) | (r["repetition"] != 1)
+
+
+def _sample(lay: SlotLayout, grammar_RxTxL, logits_WxV: jax.Array, r: dict, valid_W: jax.Array) -> jax.Array:
+    """[W] each row's token from its logits, penalized (``penalize``) and masked by its grammar
+    (``grammar_limit``) only when some valid row has a penalty, a logit bias, stop tokens still
+    held back (``min_tokens``) or a grammar: both leave every other row's logits as they are, bit
+    for bit. The sampler sits inside both branches: a branch that passed the logits through
+    unchanged would copy them (the logprobs read them after), 0.056 ms per token of the 3B
+    decode at 256 rows on the TPU compiler's estimate, where the penalties' pass is 0.12 ms."""
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
+    pick = lambda x: sample_rows(x, r["temperature"], r["top_k"], r["top_p"], keys, r["min_p"])  # noqa: E731
+
+    def limited(x):
+        return pick(grammar_limit(penalize(x, r), x, grammar_RxTxL, r["gstate"]))
+
+    adjusted = _penalized(r) | r["biased"] | (r["count"] < r["min_tokens"]) | (r["gstate"] >= 0)
+    return skip_unless(jnp.any(valid_W & adjusted), limited, pick, logits_WxV)
 
 
 def _forced(lay: SlotLayout, grammar_RxTxL, r: dict, valid_W: jax.Array) -> jax.Array:

@@ -17,15 +17,16 @@ def _inputs(B, D, W, dtype=np.float32, seed=0):
 
 def _step_f64(x, cache, kernel, lengths=None):
     """y = silu(sum_w window_w * kernel_w) over the window [cache taps 1 .. W-1, x]; the cache
-    shifts by one input, except on rows whose length is 0."""
+    shifts by one input, except on rows whose length is 0, where y is 0."""
     x, cache, kernel = (np.asarray(a, np.float64) for a in (x, cache, kernel))
     B, D = x.shape
     window = np.concatenate([cache.reshape(B, -1, D)[:, 1:], x[:, None]], axis=1)  # [B, W, D]
     y = np.einsum("bwd,wd->bd", window, kernel)
-    new = window.reshape(B, -1)
+    new, y = window.reshape(B, -1), y / (1 + np.exp(-y))
     if lengths is not None:
-        new = np.where(np.asarray(lengths)[:, None] > 0, new, cache)
-    return y / (1 + np.exp(-y)), new
+        live = np.asarray(lengths)[:, None] > 0
+        new, y = np.where(live, new, cache), np.where(live, y, 0.0)
+    return y, new
 
 
 def _rel(a, b):
@@ -49,7 +50,8 @@ def test_the_conv_step_matches_float64(step, W):
 @pytest.mark.parametrize("W", [1, 4])
 def test_the_mosaic_conv_step_keeps_padding_rows_and_agrees_in_bf16(W):
     """bf16 as decode runs it, a third of the rows padding (length 0): the cache equals the XLA
-    step's bit for bit (padding rows unchanged); y within bf16 rounding of the float64 step (the
+    step's bit for bit (padding rows unchanged), y is 0 on padding rows in both (a GLA layer's k
+    and v: nothing enters the state); y within bf16 rounding of the float64 step (the
     kernel sums in fp32 and rounds once, the XLA form rounds each product; measured 3.3e-3 and
     4.9e-3 of y's scale, bound 2e-2 as every bf16 bound here)."""
     x, cache, kernel = (jnp.asarray(a, jnp.bfloat16) for a in _inputs(128, 256, W, seed=7))
@@ -61,6 +63,8 @@ def test_the_mosaic_conv_step_keeps_padding_rows_and_agrees_in_bf16(W):
     assert np.array_equal(np.asarray(new, np.float64), new_ref)
     pad = np.asarray(lengths) == 0
     assert np.array_equal(np.asarray(new)[pad], np.asarray(cache)[pad])
+    assert not np.any(np.asarray(y, np.float32)[pad]) and not np.any(np.asarray(y_xla, np.float32)[pad])
+    assert np.all(np.any(np.asarray(y, np.float32)[~pad] != 0, axis=-1))  # live rows: real outputs
     assert y.dtype == jnp.bfloat16 and _rel(y, y_ref) <= 2e-2 and _rel(y_xla, y_ref) <= 2e-2
 
 

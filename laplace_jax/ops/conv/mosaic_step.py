@@ -11,7 +11,8 @@ writing x; the taps' products add up in an fp32 VMEM block, and y = silu(sum) le
 
 ``takes(B, D)``: 128-row tiles (y's lanes) and D a multiple of 128 (a tap is a lane-aligned
 slice of the flat cache); anything else takes the XLA step. ``lengths``: a padding row
-(length 0) keeps its cache, which costs the kernel one more read, of the tap the step drops.
+(length 0) keeps its cache, which costs the kernel one more read, of the tap the step drops, and
+gives y = 0 (in the kernel's last step: no select op after it in the layer).
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ def _kernel(*refs, width: int, first: int):
     def _():
         x = x_ref[...]
         y = acc_ref[...] + x.astype(f32) * k_ref[width - 1 :, :]
-        y_ref[...] = jnp.transpose(y * jax.nn.sigmoid(y)).astype(y_ref.dtype)
+        y = y * jax.nn.sigmoid(y)
+        if masked:
+            y = jnp.where(live_ref[...] > 0, y, 0.0)
+        y_ref[...] = jnp.transpose(y).astype(y_ref.dtype)
         write(x)
 
 
