@@ -245,6 +245,23 @@ def test_min_tokens_masks_eos_and_min_p_one_is_greedy(srv):
     assert sampled.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
 
 
+def test_min_tokens_alone_holds_back_a_stop_token(srv):
+    """No penalty and no bias, only min_tokens: the decode steps still mask the stop ids (their
+    penalties' pass runs for such a row, ``slot_programs._sample``). The stop id is the greedy
+    output's second token, which the plain greedy run would stop at."""
+    prompt = TOK.encode("abc")
+    plain = reference_greedy(prompt, 10, eos_id=-1)
+    stop = next(t for t in plain[1:] if t != plain[0])
+    assert plain.index(stop) < 4  # the plain run would stop within min_tokens
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    r = srv.post({**body, "stop_token_ids": [stop], "min_tokens": 4}).json()
+    want = penalized_greedy(prompt, 10, min_tokens=4, eos=stop)
+    assert len(want) >= 4 and stop not in want[:4]
+    assert r["choices"][0]["text"] == TOK.decode(want)
+    early = srv.post({**body, "stop_token_ids": [stop]}).json()  # without min_tokens it stops sooner
+    assert early["choices"][0]["text"] != r["choices"][0]["text"]
+
+
 def test_stop_string_can_be_kept(srv):
     text = TOK.decode(reference_greedy(TOK.encode("Hello"), 20))
     stop = text[5:7]
