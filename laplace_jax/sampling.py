@@ -36,6 +36,19 @@ def token_logprobs(logits_WxV: Array, token_W: Array) -> tuple[Array, Array, Arr
     return logprob(chosen)[..., 0], top_ids.astype(jnp.int32), logprob(top)
 
 
+def penalized(rows: dict[str, Array]) -> Array:
+    """[W] whether a row samples with a presence, frequency or repetition penalty (the ones that
+    read its ``counts``)."""
+    return (rows["presence"] != 0) | (rows["frequency"] != 0) | (rows["repetition"] != 1)
+
+
+def adjusted(rows: dict[str, Array]) -> Array:
+    """[W] whether ``penalize`` can change a row's logits: a penalty (``penalized``), a logit bias
+    (``biased``: some entry of ``bias`` is not 0) or stop tokens still held back (``count`` below
+    ``min_tokens``). Every other row's logits it returns bit for bit."""
+    return penalized(rows) | rows["biased"] | (rows["count"] < rows["min_tokens"])
+
+
 def penalize(logits_WxV: Array, rows: dict[str, Array]) -> Array:
     """vLLM's penalties, per row: ``repetition`` divides positive and multiplies negative logits of
     tokens in ``seen`` (the prompt) or ``counts`` (the output so far); ``frequency`` x count and

@@ -44,12 +44,14 @@ from laplace_jax.layers.common import VERIFY_INPUTS
 from laplace_jax.models.gla_lm import commit, decode_step, prefill, verify
 from laplace_jax.platform import key_words, skip_unless
 from laplace_jax.sampling import (
+    adjusted,
     count_tokens,
     grammar_limit,
     grammar_next,
     grammar_row,
     greedy_accept,
     penalize,
+    penalized,
     sample_rows,
     speculative_accept,
     token_logprobs,
@@ -306,7 +308,7 @@ def _plain_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid):
     remaining = r["remaining"] - valid
     stop = jnp.take_along_axis(r["stop_mask"], tok[:, None], axis=-1)[:, 0]
     done = r["done"] | (valid & (stop | (remaining <= 0)))
-    counted = valid & _penalized(r)  # only penalized rows read their counts (``penalize``)
+    counted = valid & penalized(r)  # only penalized rows read their counts (``penalize``)
     counts = skip_unless(jnp.any(counted), count_tokens, lambda c, *_: c, r["counts"], tok, counted)
     count = r["count"] + valid  # a row's tokens (min_tokens, its sampling key): a waiting row's stays
     rows = dict(r, token=tok, count=count, remaining=remaining, done=done, counts=counts, gstate=gstate)
@@ -333,7 +335,7 @@ def _proposals(spec: NgramSpec, r: dict, valid_W: jax.Array) -> tuple[jax.Array,
     draft) and no grammar (its state would); only as many as its ``remaining`` tokens allow; and
     not while its look-ups are paused (``speculative.backoff``)."""
     K = spec.num_speculative_tokens
-    plain = ~_penalized(r) & (r["gstate"] < 0)
+    plain = ~penalized(r) & (r["gstate"] < 0)
     on = valid_W & plain & (r["skip"] == 0) & (r["remaining"] > 1)
 
     def look(history_WxL, hlen_W):
@@ -350,11 +352,6 @@ def _waiting(grammar_RxTxL, g_W: jax.Array) -> jax.Array:
     return grammar_RxTxL[jnp.maximum(g_W, 0), 0, 0] == HELD
 
 
-def _penalized(r: dict) -> jax.Array:
-    """[W] whether a row samples with a presence, frequency or repetition penalty."""
-    return (r["presence"] != 0) | (r["frequency"] != 0) | (r["repetition"] != 1)
-
-
 def _sample(lay: SlotLayout, grammar_RxTxL, logits_WxV: jax.Array, r: dict, valid_W: jax.Array) -> jax.Array:
     """[W] each row's token from its logits, penalized (``penalize``) and masked by its grammar
     (``grammar_limit``) only when some valid row has a penalty, a logit bias, stop tokens still
@@ -368,8 +365,8 @@ def _sample(lay: SlotLayout, grammar_RxTxL, logits_WxV: jax.Array, r: dict, vali
     def limited(x):
         return pick(grammar_limit(penalize(x, r), x, grammar_RxTxL, r["gstate"]))
 
-    adjusted = _penalized(r) | r["biased"] | (r["count"] < r["min_tokens"]) | (r["gstate"] >= 0)
-    return skip_unless(jnp.any(valid_W & adjusted), limited, pick, logits_WxV)
+    some = jnp.any(valid_W & (adjusted(r) | (r["gstate"] >= 0)))
+    return skip_unless(some, limited, pick, logits_WxV)
 
 
 def _forced(lay: SlotLayout, grammar_RxTxL, r: dict, valid_W: jax.Array) -> jax.Array:
@@ -455,9 +452,9 @@ def _verify_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid, draft, l
     stop_WxN = jnp.take_along_axis(r["stop_mask"], toks, axis=-1)
     first_stop = jnp.min(jnp.where(stop_WxN, pos, N), axis=-1)
     emitted = jnp.where(valid, jnp.minimum(accepted + 1, first_stop + 1), 0)  # <= remaining (the drafts' bound)
-    penalized = _penalized(r)
+    with_counts = penalized(r)
     proposed = draft[:, 0] >= 0
-    emitted = jnp.where(penalized & proposed, jnp.minimum(emitted, jnp.maximum(accepted, 1)), emitted)
+    emitted = jnp.where(with_counts & proposed, jnp.minimum(emitted, jnp.maximum(accepted, 1)), emitted)
     model = commit(vcfg, sub["model"], trace, emitted)  # the state after the emitted tokens, no weights read
     fresh = emitted > 0
     last = jnp.take_along_axis(toks, jnp.maximum(emitted - 1, 0)[:, None], axis=-1)[:, 0]
@@ -473,7 +470,7 @@ def _verify_step(lay: SlotLayout, params, grammar_RxTxL, sub, *, valid, draft, l
             out = count_tokens(out, toks[:, t], t < emitted)
         return out
 
-    several = jnp.any(penalized & proposed & (emitted > 1))  # else one token per row counts
+    several = jnp.any(with_counts & proposed & (emitted > 1))  # else one token per row counts
     counts = jax.lax.cond(several, lambda: counted(N), lambda: counted(1))
     rows = dict(
         r,

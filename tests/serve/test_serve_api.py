@@ -247,8 +247,8 @@ def test_min_tokens_masks_eos_and_min_p_one_is_greedy(srv):
 
 def test_min_tokens_alone_holds_back_a_stop_token(srv):
     """No penalty and no bias, only min_tokens: the decode steps still mask the stop ids (their
-    penalties' pass runs for such a row, ``slot_programs._sample``). The stop id is the greedy
-    output's second token, which the plain greedy run would stop at."""
+    penalties' pass runs for such a row, ``slot_programs._sample``). The stop id is a token the
+    plain greedy output reaches within its first four, after a different first token."""
     prompt = TOK.encode("abc")
     plain = reference_greedy(prompt, 10, eos_id=-1)
     stop = next(t for t in plain[1:] if t != plain[0])
