@@ -181,6 +181,26 @@ def test_mosaic_doubling_sums_are_the_level_sums_and_their_transpose(C):
     assert np.all(np.abs(t - ref_t) <= bound)
 
 
+@pytest.mark.parametrize("layout", ["full", "blocks"])
+@pytest.mark.parametrize("C", [16, 48])
+def test_the_scores_backward_reads_only_the_lower_triangle_of_dA(layout, C):
+    """The backward hands the levels the score gradient without a tril: each level pairs its upper
+    rows with its lower ones, so garbage above the diagonal (large, both signs) must change no
+    gradient bit, in either layout and for a chunk padded to the next power of two (48 -> 64)."""
+    from laplace_jax.ops.gla.levels import scores_bwd
+
+    rng = np.random.default_rng(C)
+    q, k = (jnp.asarray(rng.normal(size=(2, C, 8)), jnp.float32) for _ in range(2))
+    g = jnp.asarray(-np.exp(rng.uniform(np.log(0.01), np.log(16.0), (2, C, 8))), jnp.float32)
+    dA = rng.normal(size=(2, C, C))
+    lower = jnp.asarray(np.tril(dA), jnp.float32)
+    garbage = jnp.asarray(np.tril(dA) + np.triu(1e6 * rng.normal(size=(2, C, C)), 1), jnp.float32)
+    want = scores_bwd(q, k, g, lower, 0.3, jnp.float32, layout)
+    got = scores_bwd(q, k, g, garbage, 0.3, jnp.float32, layout)
+    for w, x in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(w))
+
+
 def test_autodiff_saves_only_inputs_chunk_states_and_scores():
     """What jax.grad keeps between forward and backward: the inputs, the [N, B, H, K, V] chunk
     states and the [N, B, H, C, C] scores, nothing per sub-block or per diagonal."""

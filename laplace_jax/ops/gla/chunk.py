@@ -170,8 +170,9 @@ def _bwd_chunk(dS, xs, scale, layout):
     m = level_matrices(q.shape[-2])
     dg = sums(m["incl"], "rt,...rk->...tk", qf * dq) + sums(m["rev_excl"], "st,...sk->...tk", kf * dk)
     dg = dg + (e_tot * jnp.sum(S * dS, axis=-1))[..., None, :]
-    # through the scores
-    dA = jnp.tril(dot("bhrv,bhsv->bhrs", do, v, f32))
+    # through the scores: dA's upper triangle is never read (each level pairs its lower rows with
+    # its upper ones), so no tril
+    dA = dot("bhrv,bhsv->bhrs", do, v, f32)
     dq_a, dk_a, dg_a = scores_bwd(qf, kf, g, dA, scale, dtype, layout)
     grads = (dq + dq_a, dk + dk_a, dv, dg + dg_a)
     return dS_prev, tuple(x.astype(d.dtype) for x, d in zip(grads, (q, k, v, g), strict=True))

@@ -142,7 +142,8 @@ def scores_full(q: Array, k: Array, g: Array, scale: float, dtype) -> Array:
 
 
 def scores_bwd_full(q: Array, k: Array, g: Array, dA: Array, scale: float, dtype) -> tuple[Array, Array, Array]:
-    """(dq, dk, dg) [..., C, K] fp32 of ``scores_full`` given dA [..., C, C] (lower triangle)."""
+    """(dq, dk, dg) [..., C, K] fp32 of ``scores_full`` given dA [..., C, C] (only its lower
+    triangle and diagonal are read)."""
     C, P = q.shape[-2], padded(q.shape[-2])
     m, e_head, e_tail = _full_factors(g)
     qp, kp = _pad(q, P), _pad(k, P)
@@ -210,7 +211,8 @@ def scores_blocks(q: Array, k: Array, g: Array, scale: float, dtype) -> Array:
 
 
 def scores_bwd_blocks(q: Array, k: Array, g: Array, dA: Array, scale: float, dtype) -> tuple[Array, Array, Array]:
-    """(dq, dk, dg) [..., C, K] fp32 of ``scores_blocks`` given dA [..., C, C] (lower triangle)."""
+    """(dq, dk, dg) [..., C, K] fp32 of ``scores_blocks`` given dA [..., C, C] (only its lower
+    triangle and diagonal are read)."""
     C, P = q.shape[-2], padded(q.shape[-2])
     dAp = jnp.pad(dA, [(0, 0)] * (dA.ndim - 2) + [(0, P - C), (0, P - C)])
     dq = dk = dg = jnp.zeros((*q.shape[:-2], P, q.shape[-1]), f32)
