@@ -399,6 +399,20 @@ def test_the_mosaic_decode_step_compiles_in_place_and_is_counted_at_its_dma_floo
     assert 0 < schedule < dma_floor(chip, 2 * 256 * 16 * 96 * 192 * 4), schedule
 
 
+def test_the_conv_step_splits_its_rows_over_a_two_core_chip():
+    """The 3B's v conv step in serving (256 rows, 3,072 channels, 4 taps, the row mask) on v5p: its
+    rows go in two 128-row blocks, one per TensorCore, and the compiler's static schedule is then
+    below the DMA floor of its bytes (as one block on one core it was 16,416 cycles, 1.2x the
+    floor)."""
+    from laplace_jax.tpu import dma_floor
+
+    B, W, D = 256, 4, 3072
+    moved = B * 4 + 2 * (B * D + 2 * B * W * D + W * D + B * D)  # live, x, cache in and out, kernel, y
+    res = run_mosaic_profile("--chip", "v5p", "--kernel", "short_conv_mosaic_step", "--shape", f"{B},{W},{D},1")
+    v5p = CHIPS["v5p"]
+    assert 0 < res["cycles"][0] / (v5p.clock_ghz * 1e9) < dma_floor(v5p, moved), res
+
+
 @pytest.mark.parametrize("topology", ["v5e:1x1", "v5p:1x1x1"])
 def test_norms_and_swiglu_are_mosaic_kernels_forward_and_backward(topology):
     """The gradient of a two-layer model's summed logits (16 x 128 tokens, bf16) compiled for one

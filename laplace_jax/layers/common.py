@@ -352,7 +352,9 @@ class ShortConv(nn.Module):
             cache_BxWD = jnp.zeros((B, W * D), self.dtype)
         cache_BxWD = cache_BxWD.astype(self.dtype)
         if T == 1:  # the decode step (ops.conv): a padding token leaves the cache as it was
-            y, new = short_conv_step(x_BxTxD[:, 0].astype(self.dtype), cache_BxWD, k, lengths_B, impl=self.impl)
+            two_cores = two_core_tpu(_TARGET.get() or compile_target(x_BxTxD))  # the kernel's row blocks
+            x_BxD = x_BxTxD[:, 0].astype(self.dtype)
+            y, new = short_conv_step(x_BxD, cache_BxWD, k, lengths_B, impl=self.impl, two_cores=two_cores)
             return y[:, None], new
         if (trace := trace_of(self)) is not None:
             self.sow(trace, "inputs", x_BxTxD.astype(self.dtype))

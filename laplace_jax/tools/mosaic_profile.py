@@ -54,14 +54,15 @@ _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 TOPOLOGY = {"v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}  # one chip of each generation
 
 
-def decode_args(kernel: str, shape: tuple[int, ...], dtype: str) -> tuple:
+def decode_args(kernel: str, shape: tuple[int, ...], dtype: str, chip: str) -> tuple:
     """A Mosaic decode-step kernel and ShapeDtypeStructs of its operands (the kernel's own
     layout): ``gla_mosaic_step`` at B,H,K,V, ``short_conv_mosaic_step`` at B,W,D,masked,
     ``matmul_mosaic_rows`` at M,I,O,fp32_out,form, ``projections_mosaic_rows`` at M,I,O_1,O_2,..,
     ``log_decay_mosaic_rows`` at M,D,r,N,bias_f32,masked (GLA's gate, normalizer 16, no clamp),
     ``rms_norm_mosaic_fwd`` / ``_bwd`` at N,D,w,fp32_out,gated,gain_f32 (the residual ones: D as
     w, gated 0), ``swiglu_mosaic_fwd`` / ``_bwd`` at N,F. The conv step's weights are in the
-    activations' dtype, as the model passes them."""
+    activations' dtype, as the model passes them, and its row blocks as the model picks them for
+    ``chip`` (two TensorCores or one)."""
     import jax
     import jax.numpy as jnp
 
@@ -71,6 +72,7 @@ def decode_args(kernel: str, shape: tuple[int, ...], dtype: str) -> tuple:
     from laplace_jax.ops.matmul import mosaic as matmul
     from laplace_jax.ops.norm import mosaic as norm
     from laplace_jax.ops.swiglu import mosaic_swiglu
+    from laplace_jax.tpu import CHIPS
 
     S, f32 = jax.ShapeDtypeStruct, jnp.float32
     if kernel == MOSAIC_MATMUL_KERNEL:
@@ -116,7 +118,8 @@ def decode_args(kernel: str, shape: tuple[int, ...], dtype: str) -> tuple:
         return fn, (rows, rows, S((H, K, B), f32), S((H, V, B), dtype), S((H, K, V, B), f32))
     B, W, D, masked = shape
     live = S((B, 1), jnp.int32) if masked else None
-    fn = lambda x, c, k, live=None: conv._call(x, c, k, live, False)  # noqa: E731
+    two_cores = CHIPS[chip].cores >= 2
+    fn = lambda x, c, k, live=None: conv._call(x, c, k, live, False, two_cores)  # noqa: E731
     return fn, (S((B, D), dtype), S((B, W * D), dtype), S((W, D), dtype), *([live] if masked else []))
 
 
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             res = {"program": f"matmul {a.n}^3 bf16 (Mosaic)", "chip": a.chip, "cycles": cycles, "flops": 2 * a.n**3}
         elif a.kernel in MOSAIC_DECODE_KERNELS:
             shape = tuple(int(x) for x in a.shape.split(","))
-            cycles = [_cycles(_compiled_text(a.chip, *decode_args(a.kernel, shape, a.dtype)), a.kernel)]
+            cycles = [_cycles(_compiled_text(a.chip, *decode_args(a.kernel, shape, a.dtype, a.chip)), a.kernel)]
             res = {"kernel": a.kernel, "chip": a.chip, "shape": shape, "cycles": cycles}
         else:
             shape = tuple(int(x) for x in a.shape.split(","))

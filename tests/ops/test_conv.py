@@ -68,6 +68,21 @@ def test_the_mosaic_conv_step_keeps_padding_rows_and_agrees_in_bf16(W):
     assert y.dtype == jnp.bfloat16 and _rel(y, y_ref) <= 2e-2 and _rel(y_xla, y_ref) <= 2e-2
 
 
+def test_the_two_core_row_blocks_give_the_same_numbers():
+    """256 rows in blocks of 128 (a two-core chip's, ``two_cores``) or one block of 256, bf16 with
+    a third of the rows padding: y and the cache equal bit for bit, and the cache equals the XLA
+    step's (each row's arithmetic is the same; only the grid's row blocks differ)."""
+    x, cache, kernel = (jnp.asarray(a, jnp.bfloat16) for a in _inputs(256, 256, 4, seed=11))
+    lengths = jnp.asarray(np.arange(256) % 3 != 0, jnp.int32)
+    got = {
+        two: jax.jit(lambda *a, two=two: mosaic_conv_step(*a, interpret=True, two_cores=two))(x, cache, kernel, lengths)
+        for two in (False, True)
+    }
+    for a, b in zip(got[False], got[True], strict=True):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert np.array_equal(np.asarray(got[True][1]), np.asarray(conv_step(x, cache, kernel, lengths)[1]))
+
+
 def test_short_conv_step_takes_the_kernel_for_whole_tiles_only(every_platform):
     """impl="mosaic": the kernel for 128 rows x 128 channels; 3 rows or 96 channels (not whole
     lane tiles) and "chunk" take the XLA step; the same cache either way. impl="auto": the kernel

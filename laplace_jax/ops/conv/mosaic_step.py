@@ -10,7 +10,12 @@ writing x; the taps' products add up in an fp32 VMEM block, and y = silu(sum) le
 [D, B], which is the layout ``mosaic_gla_step`` reads without a copy.
 
 ``takes(B, D)``: 128-row tiles (y's lanes) and D a multiple of 128 (a tap is a lane-aligned
-slice of the flat cache); anything else takes the XLA step. ``lengths``: a padding row
+slice of the flat cache); anything else takes the XLA step. ``two_cores`` (a chip with two
+TensorCores, v4 and v5p: the layer says so from its compile target): blocks of 128 rows, so the
+"parallel" row axis has a block for each core at 256 rows; the one-core chips keep the GLA step's
+row blocks, whose fewer grid steps schedule faster there (the compiler's static schedule of the
+3B's v conv step at 256 rows, 4 taps and the row mask: v5p 16,416 -> 9,875 cycles, v5e 24,525 ->
+26,792, v6e 15,873 -> 18,321). ``lengths``: a padding row
 (length 0) keeps its cache, which costs the kernel one more read, of the tap the step drops, and
 gives y = 0 (in the kernel's last step: no select op after it in the layer).
 """
@@ -76,12 +81,19 @@ def _kernel(*refs, width: int, first: int):
         write(x)
 
 
-def _call(x: Array, cache: Array, kernel: Array, live: Array | None, interpret: bool) -> tuple[Array, Array]:
+def block_rows(batch: int, two_cores: bool) -> int:
+    """Rows per grid step (the lanes of y): one lane tile on a two-core chip, else ``row_block``."""
+    return LANES if two_cores else row_block(batch)
+
+
+def _call(
+    x: Array, cache: Array, kernel: Array, live: Array | None, interpret: bool, two_cores: bool = False
+) -> tuple[Array, Array]:
     """x [B, D], cache [B, W * D], kernel [W, D], live [B, 1] int32 or None -> (y [D, B], cache').
     Unmasked, the grid skips tap 0 (the step drops it); masked, it reads it for the padding rows."""
     B, D = x.shape
     W = kernel.shape[0]
-    rows = row_block(B)
+    rows = block_rows(B, two_cores)
     first = 0 if live is not None else 1
     block = lambda index: pl.BlockSpec((rows, D), index)  # noqa: E731
     specs = [block(lambda b, s: (b, 0)), block(lambda b, s: (b, jnp.minimum(s + first, W - 1)))]  # x, tap
@@ -107,25 +119,40 @@ def _call(x: Array, cache: Array, kernel: Array, live: Array | None, interpret: 
 
 
 def mosaic_conv_step(
-    x: Array, cache: Array, kernel: Array, lengths: Array | None = None, *, interpret: bool = False
+    x: Array,
+    cache: Array,
+    kernel: Array,
+    lengths: Array | None = None,
+    *,
+    interpret: bool = False,
+    two_cores: bool = False,
 ) -> tuple[Array, Array]:
     """``conv_step`` as the Mosaic kernel: x [B, D], cache [B, W * D], kernel [W, D] -> (y [B, D],
-    cache'); pass the cache donated (updated in place)."""
+    cache'); pass the cache donated (updated in place). ``two_cores``: the compile target has two
+    TensorCores per chip (the row blocks; the numbers are the same either way)."""
     live = None if lengths is None else lengths.astype(jnp.int32)[:, None]
-    y_DxB, new = _call(x, cache.astype(x.dtype), kernel, live, interpret)
+    y_DxB, new = _call(x, cache.astype(x.dtype), kernel, live, interpret, two_cores)
     return jnp.transpose(y_DxB), new
 
 
 def short_conv_step(
-    x: Array, cache: Array, kernel: Array, lengths: Array | None = None, *, impl: str = "chunk"
+    x: Array,
+    cache: Array,
+    kernel: Array,
+    lengths: Array | None = None,
+    *,
+    impl: str = "chunk",
+    two_cores: bool = False,
 ) -> tuple[Array, Array]:
     """The conv step with ``model.attn_impl``'s kernels: "mosaic" takes the Mosaic kernel where it
     runs (``takes``; interpreted on CPU), "auto" takes it in a program compiled for TPU and the XLA
-    step elsewhere (``platform.per_platform``), everything else the XLA step."""
+    step elsewhere (``platform.per_platform``), everything else the XLA step. ``two_cores``: as
+    ``mosaic_conv_step``'s."""
     if impl not in ("mosaic", "auto") or not takes(*x.shape):
         return conv_step(x, cache, kernel, lengths)
-    return mosaic_step_for(impl, _mosaic, conv_step, x, cache, kernel, lengths)
+    mosaic = functools.partial(_mosaic, two_cores=two_cores)
+    return mosaic_step_for(impl, mosaic, conv_step, x, cache, kernel, lengths)
 
 
-def _mosaic(x, cache, kernel, lengths, *, interpret: bool):
-    return mosaic_conv_step(x, cache, kernel, lengths, interpret=interpret)
+def _mosaic(x, cache, kernel, lengths, *, interpret: bool, two_cores: bool):
+    return mosaic_conv_step(x, cache, kernel, lengths, interpret=interpret, two_cores=two_cores)
