@@ -29,6 +29,7 @@ tuple for its scan and splits it again: a copy of the state, small beside the pr
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import flax.linen as nn
 import jax
@@ -51,6 +52,7 @@ from laplace_jax.layers.common import (
 from laplace_jax.layers.gla import GatedLinearAttention
 from laplace_jax.models.layout import Group, is_layers_key, layer_groups, locate
 from laplace_jax.ops.gla import gla_replay
+from laplace_jax.ops.norm.mosaic import LANES
 from laplace_jax.parallel import constrain
 
 Array = jax.Array
@@ -84,11 +86,40 @@ def unstack_weights(cfg: ModelConfig, params: Params) -> Params:
     ``decode_step``, ``verify`` and ``prefill`` take this form and run the layers unrolled, and on
     a TPU with two TensorCores per chip their few-row products are then the Mosaic matmul kernel
     (``layers.common.matmul``), which reads each weight in place: a slice of a stack it would
-    first copy out. Training takes the stacked form."""
+    first copy out. Training takes the stacked form.
+
+    A vector whose width is not whole lane tiles (the 3B's 192-wide output-norm gain) is placed
+    as a [1, w] row, the form the Mosaic row kernels read it in (``ops.norm.mosaic.gain_rows``):
+    on a TPU a [w] vector is laid out otherwise, and its reshape to [1, w] is a relayout copy in
+    every step (24 per token in the 3B decode). The model views the row back as [w]
+    (``_as_declared``), and in the compiled program that view and the kernel's reshape cancel."""
     out = dict(params)
     for group in layer_groups(cfg):
-        out[group.name] = tuple(jax.tree.map(lambda w, r=r: w[r], params[group.name]) for r in range(group.repeats))
+        stack = params[group.name]
+        out[group.name] = tuple(jax.tree.map(lambda w, r=r: _placed(w[r]), stack) for r in range(group.repeats))
     return out
+
+
+def _placed(w: Array) -> Array:
+    """One layer's weight as ``unstack_weights`` places it: a vector not whole lane tiles as a row."""
+    return w.reshape(1, -1) if w.ndim == 1 and w.shape[0] % LANES else w
+
+
+@functools.cache
+def _declared(cfg: ModelConfig) -> Params:
+    """Each layer group's weights as the modules declare one layer's (ShapeDtypeStructs)."""
+    abstract = abstract_params(cfg)
+    one = lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype)  # noqa: E731  less the layer axis
+    return {group.name: jax.tree.map(one, abstract[group.name]) for group in layer_groups(cfg)}
+
+
+def _as_declared(cfg: ModelConfig, layer: int, weights: Params) -> Params:
+    """One layer's placed weights (``layer_weights``) in the shapes its modules declare."""
+    group, _, j = locate(cfg, layer)
+    node = _declared(cfg)[group.name]
+    for key in group.block_path(j):
+        node = node[key]
+    return jax.tree.map(lambda w, d: w.reshape(d.shape), weights, node)
 
 
 def _is_unstacked(params: Params) -> bool:
@@ -412,7 +443,7 @@ def _unrolled_layers(
     x = model.apply({"params": params}, tokens_BxT, method=GLALM.embed)
     new_state, traces = [], []
     for layer, layer_state in enumerate(state):
-        weights = _unpack(layer_weights(cfg, params, layer))
+        weights = _unpack(_as_declared(cfg, layer, layer_weights(cfg, params, layer)))
         block = Block(cfg, cfg.attn_spec(layer))
         out = block.apply(
             {"params": weights}, x, lengths_B, layer_state, method=Block.step, mutable=[trace] if trace else False

@@ -327,9 +327,10 @@ def test_packed_weights_give_the_same_logits():
 
 
 def test_per_layer_weights_give_the_same_prefill_decode_and_verify():
-    """unstack_weights (serving's TPU form): prefill (then unrolled, as decode) and decode_step
-    agree with the stacked weights' within fp32 rounding (prefill: a scan against a loop),
-    verify exactly; forward refuses the form with a message."""
+    """unstack_weights (serving's TPU form, its vectors narrower than a lane tile placed as
+    [1, w] rows): prefill (then unrolled, as decode) and decode_step agree with the stacked
+    weights' within fp32 rounding (prefill: a scan against a loop), verify exactly; forward
+    refuses the form with a message."""
     from laplace_jax.models.gla_lm import unstack_weights, verify
 
     kw = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=2, use_short_conv=True, chunk_size=16, init_std=0.1)
@@ -337,6 +338,8 @@ def test_per_layer_weights_give_the_same_prefill_decode_and_verify():
     params = init_params(cfg, jax.random.key(0))
     per_layer = unstack_weights(cfg, params)
     assert isinstance(per_layer["layers"], tuple) and len(per_layer["layers"]) == cfg.n_layers
+    rows = [w.shape for w in jax.tree.leaves(per_layer["layers"]) if w.shape[0] == 1]
+    assert {(1, 32), (1, 64)} <= set(rows), rows  # the 32-wide head norm's gain, the 64-wide norms'
     tokens = jax.random.randint(jax.random.key(1), (2, 39), 0, cfg.vocab_size)
     (a, sa), (b, sb) = (prefill(cfg, p, tokens[:, :37]) for p in (params, per_layer))
     scale = float(jnp.max(jnp.abs(a)))
