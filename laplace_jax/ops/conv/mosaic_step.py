@@ -82,8 +82,9 @@ def _kernel(*refs, width: int, first: int):
 
 
 def block_rows(batch: int, two_cores: bool) -> int:
-    """Rows per grid step (the lanes of y): one lane tile on a two-core chip, else ``row_block``."""
-    return LANES if two_cores else row_block(batch)
+    """Rows per grid step (the lanes of y): one lane tile on a two-core chip (for a batch of whole
+    tiles), else ``row_block``."""
+    return LANES if two_cores and batch % LANES == 0 else row_block(batch)
 
 
 def _call(
