@@ -268,14 +268,19 @@ def model_target(inputs: Array) -> Iterator[None]:
         _TARGET.reset(token)
 
 
+def two_core_target(x: Array) -> bool:
+    """Whether the program x is traced in is compiled for a TPU with two TensorCores per chip
+    (``platform.two_core_tpu``; the target as ``model_target`` set it, else x's)."""
+    return two_core_tpu(_TARGET.get() or compile_target(x))
+
+
 def row_kernels(x: Array, takes: Any) -> bool:
     """Whether the Mosaic row kernels (``ops.norm``, ``ops.swiglu``) run on x [.., D]: in a program
-    compiled for a TPU with two TensorCores per chip (v4, v5p: ``platform.two_core_tpu``; the
-    target as ``model_target`` set it, else x's), rows they take. There the compiler's estimates
-    favour them (the 3B train step on v5p:2x2x4 2.93 -> 2.76 s, the 340M one on v5p:2x2x1 147.7
-    -> 140.3 ms); on v5e, a one-core chip, XLA's fused norms estimate faster (340M on v5e:2x2:
-    282.9 ms without them, 309.8 with)."""
-    return takes(math.prod(x.shape[:-1]), x.shape[-1]) and two_core_tpu(_TARGET.get() or compile_target(x))
+    compiled for a TPU with two TensorCores per chip (v4, v5p: ``two_core_target``), rows they
+    take. There the compiler's estimates favour them (the 3B train step on v5p:2x2x4 2.93 ->
+    2.76 s, the 340M one on v5p:2x2x1 147.7 -> 140.3 ms); on v5e, a one-core chip, XLA's fused
+    norms estimate faster (340M on v5e:2x2: 282.9 ms without them, 309.8 with)."""
+    return takes(math.prod(x.shape[:-1]), x.shape[-1]) and two_core_target(x)
 
 
 def rms_norm(x: Array, gain_D: Array, eps: float, out_dtype: Any, gate: Array | None = None) -> Array:
@@ -352,8 +357,8 @@ class ShortConv(nn.Module):
             cache_BxWD = jnp.zeros((B, W * D), self.dtype)
         cache_BxWD = cache_BxWD.astype(self.dtype)
         if T == 1:  # the decode step (ops.conv): a padding token leaves the cache as it was
-            two_cores = two_core_tpu(_TARGET.get() or compile_target(x_BxTxD))  # the kernel's row blocks
             x_BxD = x_BxTxD[:, 0].astype(self.dtype)
+            two_cores = two_core_target(x_BxTxD)  # the kernel's row blocks
             y, new = short_conv_step(x_BxD, cache_BxWD, k, lengths_B, impl=self.impl, two_cores=two_cores)
             return y[:, None], new
         if (trace := trace_of(self)) is not None:

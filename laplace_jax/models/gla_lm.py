@@ -442,8 +442,10 @@ def _unrolled_layers(
     model = GLALM(cfg)
     x = model.apply({"params": params}, tokens_BxT, method=GLALM.embed)
     new_state, traces = [], []
+    unstacked = _is_unstacked(params)
     for layer, layer_state in enumerate(state):
-        weights = _unpack(_as_declared(cfg, layer, layer_weights(cfg, params, layer)))
+        weights = layer_weights(cfg, params, layer)
+        weights = _unpack(_as_declared(cfg, layer, weights) if unstacked else weights)
         block = Block(cfg, cfg.attn_spec(layer))
         out = block.apply(
             {"params": weights}, x, lengths_B, layer_state, method=Block.step, mutable=[trace] if trace else False
