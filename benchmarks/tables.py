@@ -1360,6 +1360,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "sampler": (("sampler_3b.json", "sampler_3b_before.json"), _sampler),
     "sampler_cpu_ab": (("sampler_cpu_ab.json",), _sampler_ab),
     "sampler_draw_cpu_ab": (("sampler_draw_cpu_ab.json",), _sampler_ab),
+    "sampler_layout_cpu_ab": (("sampler_layout_cpu_ab.json",), _sampler_ab),
     "roofline": (("serve_cpu_roofline.json", "serve_cpu_8dev.json"), _roofline),
     "http_8dev": (("serve_cpu_8dev.json",), _http_8dev),
     "soak": (

@@ -290,3 +290,51 @@ def test_a_block_then_token_draw_follows_the_softmax(V, impl):
     keys = jax.random.split(jax.random.key(7, impl=impl), n)
     tokens = np.asarray(jax.jit(lambda k, x, s: draw(k, x, s, lambda x: x / t))(keys, rows, shift))
     assert _chi_square(tokens, want) < 80
+
+
+@pytest.mark.parametrize("W", [16, 5])
+def test_block_sums_in_row_groups_are_the_blocks_sums(W):
+    """``_block_sums`` (rows in groups of the TPU's fp32 tile when W is a multiple of it, as they
+    are when not) against float64 sums of each row's blocks, to fp32 summation error."""
+    from laplace_jax.sampling import DRAW_BLOCK, _block_sums
+
+    x = np.random.default_rng(3).standard_normal((W, 3 * DRAW_BLOCK)).astype(np.float32)
+    got = np.asarray(jax.jit(_block_sums, static_argnums=1)(jnp.asarray(x), DRAW_BLOCK))
+    want = x.astype(np.float64).reshape(W, 3, DRAW_BLOCK).sum(-1)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)  # |sum| of 128 N(0,1) ~ 11; fp32 ulp ~1e-6
+
+
+def test_a_known_row_maximum_gives_the_same_top_cutoff():
+    """``_top_cutoff`` with each row's maximum handed in (the sampler's: one pass for the softmax's
+    normalizer, not two) gives the cutoff it computes alone, bit for bit, rows with -inf entries
+    included."""
+    from laplace_jax.sampling import _top_cutoff
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((8, 2000)).astype(np.float32) * 3
+    x[rng.random(x.shape) < 0.3] = -np.inf
+    top_k = jnp.asarray([0, 1, 5, 50, 0, 2000, 7, 0])
+    top_p = jnp.asarray([0.9, 1.0, 0.5, 0.99, 0.1, 1.0, 0.7, 1.0], jnp.float32)
+    limited = (top_k > 0) | (top_p < 1)
+    alone = jax.jit(_top_cutoff)(jnp.asarray(x), top_k, top_p, limited)
+    given = jax.jit(_top_cutoff)(jnp.asarray(x), top_k, top_p, limited, jnp.max(jnp.asarray(x), -1, keepdims=True))
+    np.testing.assert_array_equal(np.asarray(given), np.asarray(alone))
+    assert np.isfinite(np.asarray(alone)[np.asarray(limited)]).all()
+
+
+def test_the_tpus_scatter_counts_tokens_as_the_comparison_does():
+    """``count_tokens``' TPU branch (a scatter, traced here as a TPU program traces it) against the
+    comparison every other backend runs: the same counts, invalid rows unchanged."""
+    from laplace_jax.platform import only_for
+    from laplace_jax.sampling import count_tokens
+
+    counts = jnp.asarray(np.random.default_rng(5).integers(0, 4, (6, 300)), jnp.int32)
+    tokens = jnp.asarray([0, 299, 17, 17, 150, 3])
+    valid = jnp.asarray([True, True, False, True, True, False])
+    compared = jax.jit(lambda c, t, v: count_tokens(c, t, v))(counts, tokens, valid)
+    with only_for("tpu"):
+        scattered = jax.jit(lambda c, t, v: count_tokens(c, t, v))(counts, tokens, valid)
+    want = np.asarray(counts).copy()
+    want[np.arange(6)[np.asarray(valid)], np.asarray(tokens)[np.asarray(valid)]] += 1
+    np.testing.assert_array_equal(np.asarray(compared), want)
+    np.testing.assert_array_equal(np.asarray(scattered), want)

@@ -198,6 +198,24 @@ def test_the_sampler_compiled_for_a_tpu_sorts_no_row():
     assert hlo.count('custom_call_target="TopK"') >= 3  # two rounds of candidates and the logprobs' top 20
 
 
+def test_the_draw_reads_the_logits_in_their_own_layout():
+    """At serving's 256 rows, a block sum over a [W, V / 128, 128] view made the TPU compiler lay
+    the logits out vocabulary-major: a copy of all of them (0.087 ms per 3B token) and a limited row
+    written out before the block sums read it. ``sampling._block_sums`` views the rows in groups of
+    the fp32 tile: a sampled batch's program copies no [W, V] array."""
+    from laplace_jax.sampling import sample_rows
+
+    W, V = 256, 50304
+
+    def sampler(logits, t, p, key_data):
+        return sample_rows(logits, t, jnp.zeros(t.shape, jnp.int32), p, jax.random.wrap_key_data(key_data))
+
+    shapes = (((W, V), jnp.float32), ((W,), jnp.float32), ((W,), jnp.float32), ((W, 2), jnp.uint32))
+    _, c = _compile(sampler, *shapes, topology="v5p:1x1x1")
+    copies = [line for line in c.as_text().splitlines() if " copy(" in line and f"[{W},{V}]" in line.split("copy(")[0]]
+    assert not copies, copies
+
+
 def test_decode_writes_each_layers_state_once_and_reads_no_stack():
     """On the TPU compile of the tiny decode step, every layer's state is written by exactly one
     op (the fused update, which also yields the output), in place of the donated buffer: no

@@ -241,7 +241,7 @@ def serve_reports(
     from laplace_jax.serve.config import ServeConfig
     from laplace_jax.serve.programs import placed_weights, serving_programs
     from laplace_jax.serve.scheduler import make_buckets
-    from laplace_jax.serve.slot_programs import GRAMMAR_DTYPE, SlotLayout, row_template
+    from laplace_jax.serve.slot_programs import GRAMMAR_DTYPE, SlotLayout, row_keys, row_template
     from laplace_jax.tpu import report
 
     cfg = _serving_cfg(config)
@@ -270,7 +270,7 @@ def serve_reports(
     rows = {k: jax.ShapeDtypeStruct((W, *s), d) for k, (s, d, _) in tpl.items()}
 
     def sampler(logits, r, table=None):
-        keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(r["key"], impl=lay.prng), r["count"])
+        keys = functools.partial(row_keys, lay.prng, r)
         pen = penalize(logits, r)
         if table is not None:  # structured outputs' mask and next state (rows at -1: unconstrained)
             pen = grammar_limit(pen, logits, table, r["gstate"])
