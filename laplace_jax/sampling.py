@@ -291,7 +291,7 @@ def _logsumexp(x_WxV: Array, max_W: Array | None) -> Array:
     ``max`` [W, 1] where it is known."""
     if max_W is None:
         return jax.nn.logsumexp(x_WxV, axis=-1, keepdims=True)
-    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(max_W), max_W, 0.0))
+    shift = jnp.where(jnp.isfinite(max_W), max_W, 0.0)  # the sampler is never differentiated
     return jnp.log(jnp.sum(jnp.exp(x_WxV - shift), axis=-1, keepdims=True)) + shift
 
 
