@@ -655,6 +655,35 @@ def _auto_tpu(kernel: dict, r: dict) -> list[str]:
     return [*_grid(head, rows), "", "Every time is the TPU compiler's estimate (its cost model), never a measurement."]
 
 
+XLA_BOUND_VARIANTS = {
+    "exact": "the kernel as it is",
+    "exponents_free": "level exponents free (exp((l + 1) g), no 0/1 sums)",
+    "one_matmul_scores": "a chunk's scores as one masked matmul (no levels)",
+}
+
+
+def _xla_kernel_bound(r: dict) -> list[str]:
+    """The XLA kernel and its stand-ins (``bench_xla_kernel_bound``): forward and forward + backward."""
+    cells = {(row["variant"], row["program"]): row for row in r["rows"]}
+
+    def cell(variant: str, program: str) -> str:
+        row = cells[variant, program]
+        return f"{_ms(row['estimate_s'])} ({row['estimate_over_limit']:.1f}x)"
+
+    rows = [
+        [f"`{v}`: {what}", cell(v, "forward"), cell(v, "forward + backward")] for v, what in XLA_BOUND_VARIANTS.items()
+    ]
+    limit = cells["exact", "forward"]["limit_s"], cells["exact", "forward + backward"]["limit_s"]
+    shape = " ".join(f"{k}{v}" for k, v in r["shape"].items())
+    return [
+        *_grid(["variant", "forward (/ limit)", "forward + backward (/ limit)"], rows),
+        "",
+        f"TPU compiler estimates for {r['chip']}, one 3B layer ({shape}, chunk {r['chunk']}, bf16, the full "
+        f"layout); limits {_ms(limit[0])} and {_ms(limit[1])}. Goals: 8x and 10x. The stand-ins are wrong "
+        "numbers, compiled for their cost only.",
+    ]
+
+
 def _tests_cpu(r: dict) -> list[str]:
     total = f"{r['passed']} passed, {r['skipped']} skipped, {r['failed']} failed in {r['wall_s']:,.0f} s"
     rows = [["the whole suite (2 CPU cores, README's command)", total]]
@@ -1400,6 +1429,7 @@ TABLES: dict[str, tuple[tuple[str, ...], Callable[..., list[str]]]] = {
     "context_kernel_tpu": (("context_plans_tpu.json",), _context_kernel_tpu),
     "hybrid_recall": (("hybrid_recall.json",), _hybrid_recall),
     "attention_tpu": (("attention_tpu.json",), _attention_tpu),
+    "xla_kernel_bound": (("xla_kernel_bound.json",), _xla_kernel_bound),
 }
 # The command of a result file that does not record its own.
 COMMANDS = {

@@ -81,21 +81,14 @@ def compile_for_tpu(fn, args, devices=None, donate=(), free_layouts=False):
 KERNEL_LABELS = {"chunk": "chunk_gla", "mosaic": "mosaic_gla", "auto": "gla(impl=auto)"}  # --impl: kernels for TPU
 
 
-def kernel_reports(
-    chip, devices, shape: tuple[int, ...], chunk: int, impls: tuple[str, ...] = ("chunk", "mosaic")
-) -> list[dict[str, Any]]:
-    """Each GLA kernel in ``impls`` ("chunk": the XLA kernel, "mosaic": the Pallas TPU kernel),
-    forward and forward + backward at ``shape`` on one chip, with the limits: FLOPs 4KV + 2C(K+V)
-    per token and head (x3 with the backward); bytes the inputs and output (forward) plus, for the
-    backward, the inputs again, the output's cotangent and the gradients. Inputs and outputs take
-    the layout each kernel's compiler prefers (the XLA kernel: the sequence axis minor; the Mosaic
-    kernel: heads before the sequence), as the ops around it in a model can produce them; the
-    loss's cotangent, built inside the program, does not."""
+def kernel_programs(fwd, shape: tuple[int, ...], chunk: int) -> tuple[list[Any], list[tuple[str, Any, float, float]]]:
+    """A GLA kernel's two programs at ``shape`` (B, T, H, K, V): (the inputs q, k, v bf16 and g
+    fp32, [(what, fn, FLOPs, bytes)] for "forward" (``fwd`` itself, returning o) and "forward +
+    backward" (the gradients of the output's sum)). The limits: FLOPs 4KV + 2C(K+V) per token and
+    head (x3 with the backward); bytes the inputs and output (forward) plus, for the backward, the
+    inputs again, the output's cotangent and the gradients."""
     import jax
     import jax.numpy as jnp
-
-    from laplace_jax.ops.gla import gla
-    from laplace_jax.tpu import report
 
     B, T, H, K, V = shape
     args = [jax.ShapeDtypeStruct((B, T, H, d), jnp.bfloat16) for d in (K, K, V)]
@@ -103,15 +96,31 @@ def kernel_reports(
     inputs = sum(a.size * a.dtype.itemsize for a in args)
     out = B * T * H * V * 2
     flops = B * T * H * (4 * K * V + 2 * chunk * (K + V))
+    loss = lambda *a: fwd(*a).astype(jnp.float32).sum()  # noqa: E731
+    return args, [
+        ("forward", fwd, flops, inputs + out),
+        ("forward + backward", jax.grad(loss, argnums=(0, 1, 2, 3)), 3 * flops, 2 * inputs + 2 * out + inputs),
+    ]
+
+
+def kernel_reports(
+    chip, devices, shape: tuple[int, ...], chunk: int, impls: tuple[str, ...] = ("chunk", "mosaic")
+) -> list[dict[str, Any]]:
+    """Each GLA kernel in ``impls`` ("chunk": the XLA kernel, "mosaic": the Pallas TPU kernel),
+    forward and forward + backward at ``shape`` on one chip, with the limits of
+    ``kernel_programs``. Inputs and outputs take the layout each kernel's compiler prefers (the
+    XLA kernel: the sequence axis minor; the Mosaic kernel: heads before the sequence), as the ops
+    around it in a model can produce them; the loss's cotangent, built inside the program, does
+    not."""
+    from laplace_jax.ops.gla import gla
+    from laplace_jax.tpu import report
+
+    B, T, H, K, V = shape
     reports = []
     for impl in impls:
         fwd = lambda q, k, v, g, impl=impl: gla(q, k, v, g, impl=impl, chunk_size=chunk)[0]  # noqa: E731
-        loss = lambda *a, fwd=fwd: fwd(*a).astype(jnp.float32).sum()  # noqa: E731
         where = f"{KERNEL_LABELS[impl]} B{B} T{T} H{H} K{K} V{V} chunk {chunk}"
-        programs = (
-            ("forward", fwd, flops, inputs + out),
-            ("forward + backward", jax.grad(loss, argnums=(0, 1, 2, 3)), 3 * flops, 2 * inputs + 2 * out + inputs),
-        )
+        args, programs = kernel_programs(fwd, shape, chunk)
         for what, fn, work, moved in programs:
             compiled = compile_for_tpu(fn, args, devices, free_layouts=True)
             reports.append(report(compiled, chip, f"{where}, {what}", flops=work, bytes_=moved))
