@@ -59,10 +59,14 @@ def _one_matmul_scores_bwd(q: Array, k: Array, g: Array, dA: Array, scale: float
     return dq, dk, q * dq - k * dk
 
 
+# variant -> (what it compiles, the functions of ``levels`` it replaces)
 STANDINS = {
-    "exact": {},
-    "exponents_free": {"_full_factors": _free_factors},
-    "one_matmul_scores": {"scores_full": _one_matmul_scores, "scores_bwd_full": _one_matmul_scores_bwd},
+    "exact": ("the kernel as it is", {}),
+    "exponents_free": ("level exponents free (exp((l + 1) g), no 0/1 sums)", {"_full_factors": _free_factors}),
+    "one_matmul_scores": (
+        "a chunk's scores as one masked matmul (no levels)",
+        {"scores_full": _one_matmul_scores, "scores_bwd_full": _one_matmul_scores_bwd},
+    ),
 }
 
 
@@ -70,10 +74,11 @@ STANDINS = {
 def standin(variant: str) -> Iterator[None]:
     """``levels`` with ``variant``'s functions in place while tracing; restored on exit. JAX's
     caches are cleared on both sides, so no trace made with one variant serves another."""
-    saved = {name: getattr(levels, name) for name in STANDINS[variant]}
+    patches = STANDINS[variant][1]
+    saved = {name: getattr(levels, name) for name in patches}
     jax.clear_caches()
     try:
-        for name, fn in STANDINS[variant].items():
+        for name, fn in patches.items():
             setattr(levels, name, fn)
         yield
     finally:
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     fwd = lambda q, k, v, g: chunk_gla(q, k, v, g, chunk_size=CHUNK, layout="full")[0]  # noqa: E731
     args, programs = kernel_programs(fwd, shape, CHUNK)
     rows = []
-    for variant in STANDINS:
+    for variant, (description, _) in STANDINS.items():
         for what, fn, work, moved in programs:
             with standin(variant):
                 compiled = compile_for_tpu(fn, args, devices, free_layouts=True)
@@ -104,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(
                 {
                     "variant": variant,
+                    "description": description,
                     "program": what,
                     "estimate_s": est["seconds"],
                     "limit_s": rep["limit"]["seconds"],

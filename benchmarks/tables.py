@@ -655,13 +655,6 @@ def _auto_tpu(kernel: dict, r: dict) -> list[str]:
     return [*_grid(head, rows), "", "Every time is the TPU compiler's estimate (its cost model), never a measurement."]
 
 
-XLA_BOUND_VARIANTS = {
-    "exact": "the kernel as it is",
-    "exponents_free": "level exponents free (exp((l + 1) g), no 0/1 sums)",
-    "one_matmul_scores": "a chunk's scores as one masked matmul (no levels)",
-}
-
-
 def _xla_kernel_bound(r: dict) -> list[str]:
     """The XLA kernel and its stand-ins (``bench_xla_kernel_bound``): forward and forward + backward."""
     cells = {(row["variant"], row["program"]): row for row in r["rows"]}
@@ -670,9 +663,8 @@ def _xla_kernel_bound(r: dict) -> list[str]:
         row = cells[variant, program]
         return f"{_ms(row['estimate_s'])} ({row['estimate_over_limit']:.1f}x)"
 
-    rows = [
-        [f"`{v}`: {what}", cell(v, "forward"), cell(v, "forward + backward")] for v, what in XLA_BOUND_VARIANTS.items()
-    ]
+    variants = {row["variant"]: row["description"] for row in r["rows"]}  # in the benchmark's order
+    rows = [[f"`{v}`: {what}", cell(v, "forward"), cell(v, "forward + backward")] for v, what in variants.items()]
     limit = cells["exact", "forward"]["limit_s"], cells["exact", "forward + backward"]["limit_s"]
     shape = " ".join(f"{k}{v}" for k, v in r["shape"].items())
     return [
